@@ -1,0 +1,703 @@
+"""HTTP clients: :class:`AsyncClient` and its sync twin :class:`Client` (httpx style).
+
+Resources mirror openai-python: ``client.chat.completions.create``, ``client.completions.create``,
+``client.models.list``. Transports are the seam: pass ``transport=httpx.MockTransport(...)`` in
+tests or any custom ``httpx`` transport.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+import httpx
+from opentelemetry import trace
+from pydantic import BaseModel, ValidationError
+
+from ._calls import LLMCall
+from ._context import current_stage_var, current_task_var, loop_key, server_attributes
+from ._exceptions import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    status_error_from_response,
+)
+from ._slo import SLO
+from ._streaming import AsyncStream, Stream
+from ._task import TaskScope
+from ._telemetry import TelemetryStats
+from ._types import ChatCompletion, ChatCompletionChunk, Completion, ModelList
+
+__all__ = ["AsyncClient", "Client", "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT"]
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+"""LLM calls can legitimately take minutes under load; connecting should not."""
+
+M = TypeVar("M", bound=BaseModel)
+_NOT_GIVEN: Any = httpx.USE_CLIENT_DEFAULT
+
+
+def _normalise_base_url(base_url: str | None) -> str:
+    url = (base_url or os.environ.get("JITFLOW_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+    if url.endswith("/v1"):  # accept OpenAI-style base URLs
+        url = url[: -len("/v1")]
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https://, got {url!r}")
+    return url
+
+
+def _check_messages(messages: Any) -> list[Any]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for m in messages:
+        if isinstance(m, BaseModel):
+            m = m.model_dump(exclude_none=True)
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise ValueError(f"each message must be a mapping with a 'role', got {m!r}")
+        out.append(dict(m))
+    return out
+
+
+def _compact(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+class _BaseClient:
+    """Configuration and request building shared by both clients."""
+
+    def __init__(
+        self,
+        base_url: str | None,
+        api_key: str | None,
+        model: str | None,
+        default_headers: Mapping[str, str] | None,
+        tracer_provider: trace.TracerProvider | None,
+    ) -> None:
+        from . import __version__
+
+        self.base_url = _normalise_base_url(base_url)
+        self.api_key = api_key if api_key is not None else os.environ.get("JITFLOW_API_KEY")
+        self.model = model or os.environ.get("JITFLOW_MODEL") or None
+        self._tracer_provider = tracer_provider
+        self._server_attrs = server_attributes(self.base_url)
+        self._resolved_model: str | None = None
+        headers = {"User-Agent": f"jitflow-python/{__version__}", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers.update(default_headers or {})
+        self._headers = headers
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} base_url={self.base_url!r}>"
+
+    def _default_model(self, model: str | None) -> str | None:
+        if model:
+            return model
+        stage = current_stage_var.get()
+        task = stage.task if stage is not None else current_task_var.get()
+        if task is not None and task.model:
+            return task.model
+        return self.model or self._resolved_model
+
+    def _prepare_llm(
+        self,
+        *,
+        operation: str,
+        body: dict[str, Any],
+        stream: bool,
+        slo: SLO | dict[str, Any] | None,
+        waiting_time: float | None,
+        parents: Sequence[str] | None,
+        extra_body: Mapping[str, Any] | None,
+        extra: dict[str, Any],
+    ) -> tuple[LLMCall, dict[str, Any], dict[str, str]]:
+        body = {**body, **(extra_body or {}), **extra}
+        if stream:
+            body["stream"] = True
+            body.setdefault("stream_options", {"include_usage": True})
+        else:
+            body.pop("stream", None)
+        call = LLMCall(
+            operation=operation,
+            model=body["model"],
+            slo=slo,
+            waiting_time=waiting_time,
+            parents=parents,
+            tracer_provider=self._tracer_provider,
+            server_attrs=self._server_attrs,
+            request_attrs={
+                "gen_ai.request.max_tokens": body.get("max_tokens"),
+                "gen_ai.request.temperature": body.get("temperature"),
+                "gen_ai.request.top_p": body.get("top_p"),
+            },
+        )
+        slo_wire, jf, headers = call.begin()
+        if slo_wire is not None:
+            body["slo"] = slo_wire
+        if jf is not None:
+            body["jitflow"] = jf
+        return call, body, headers
+
+    @staticmethod
+    def _parse(model: type[M], response: httpx.Response) -> M:
+        try:
+            return model.model_validate(response.json())
+        except (ValueError, ValidationError) as e:
+            raise APIError(
+                f"unexpected response from {response.request.url}: {str(e)[:300]}", request=response.request
+            ) from e
+
+    @staticmethod
+    def _finish_parsed(call: LLMCall, obj: Any) -> None:
+        finish = [c.finish_reason for c in getattr(obj, "choices", []) if c.finish_reason]
+        call.finish(
+            timing=obj.jitflow, usage=obj.usage, response_id=obj.id, response_model=obj.model,
+            finish_reasons=finish,
+        )
+        if call.record is not None:
+            obj._call_id = call.call_id
+
+
+# ============================================================================ async
+class AsyncClient(_BaseClient):
+    """Asynchronous jitflow client (anyio: works under asyncio and trio).
+
+    Args:
+        base_url: server URL (default env ``JITFLOW_BASE_URL`` or ``http://127.0.0.1:8000``;
+            a trailing ``/v1`` is accepted and stripped).
+        api_key: sent as ``Authorization: Bearer`` (default env ``JITFLOW_API_KEY``).
+        timeout: seconds or an ``httpx.Timeout`` (default 600 s, connect 5 s).
+        transport: an ``httpx.AsyncBaseTransport`` (e.g. ``httpx.MockTransport``).
+        model: default model when a call omits ``model`` (else env ``JITFLOW_MODEL``, else the
+            first model the server lists).
+        default_headers: headers added to every request.
+        tracer_provider: OpenTelemetry TracerProvider for the SDK's spans (default: global).
+        telemetry_buffer: max queued telemetry records per task (overflow is dropped and counted).
+        telemetry_retries: retries per telemetry POST after the first attempt.
+        telemetry_backoff: first retry delay in seconds (doubles, capped at 1 s).
+        telemetry_register_timeout: seconds a task start waits for ``POST /v1/tasks``.
+        telemetry_flush_timeout: seconds a task exit waits to deliver buffered telemetry.
+
+    Attributes:
+        chat, completions, models: API resources.
+        telemetry: :class:`TelemetryStats` (``sent``, ``dropped``, ...).
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+        model: str | None = None,
+        default_headers: Mapping[str, str] | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+        telemetry_buffer: int = 1024,
+        telemetry_retries: int = 3,
+        telemetry_backoff: float = 0.05,
+        telemetry_register_timeout: float = 2.0,
+        telemetry_flush_timeout: float = 3.0,
+    ) -> None:
+        super().__init__(base_url, api_key, model, default_headers, tracer_provider)
+        self._http_kwargs: dict[str, Any] = dict(
+            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
+        )
+        self._pool: httpx.AsyncClient | None = None
+        self._pool_key: Any = None
+        self.telemetry = TelemetryStats()
+        self._telemetry_buffer = telemetry_buffer
+        self._telemetry_retries = telemetry_retries
+        self._telemetry_backoff = telemetry_backoff
+        self._telemetry_register_timeout = telemetry_register_timeout
+        self._telemetry_flush_timeout = telemetry_flush_timeout
+        self.chat = AsyncChat(self)
+        self.completions = AsyncCompletions(self)
+        self.models = AsyncModels(self)
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        """The httpx pool of the running event loop (a pool must not cross event loops, so a
+        client reused by a later ``anyio.run`` gets a fresh one)."""
+        key = loop_key()
+        if self._pool is None or (key is not None and key is not self._pool_key):
+            self._pool = httpx.AsyncClient(**self._http_kwargs)
+            self._pool_key = key
+        return self._pool
+
+    async def aclose(self) -> None:
+        """Close the HTTP connection pool of the current event loop."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def task(
+        self,
+        app: str,
+        deadline: float,
+        *,
+        model: str | None = None,
+        on_deadline: Literal["raise", "best_effort"] = "raise",
+        metadata: dict[str, Any] | None = None,
+        task_id: str | None = None,
+    ) -> TaskScope:
+        """Open a compound task (async context manager yielding :class:`jitflow.Task`).
+
+        Args:
+            app: application name. deadline: end-to-end deadline in seconds from now.
+            model: default model for ``stage.chat``. on_deadline: ``"raise"`` or ``"best_effort"``.
+            metadata: JSON metadata for the registration. task_id: explicit id (default uuid4).
+
+        Nested use inside an active task reuses that task.
+
+        Raises:
+            ValueError / TypeError: invalid ``deadline`` / ``on_deadline``.
+        """
+        return TaskScope(
+            self, app, deadline, model=model, on_deadline=on_deadline, metadata=metadata, task_id=task_id
+        )
+
+    async def get_task(self, task_id: str) -> dict[str, Any]:
+        """``GET /v1/tasks/{task_id}``: the server's task view (stages, sub-deadlines, matched
+        pattern, outcome) as a dict. Raises :class:`jitflow.NotFoundError` for unknown ids."""
+        response = await self._request("GET", f"/v1/tasks/{task_id}")
+        try:
+            return response.json()
+        except ValueError as e:
+            raise APIError("task view is not JSON", request=response.request) from e
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as e:
+            raise APITimeoutError(request=getattr(e, "request", None)) from e
+        except httpx.TransportError as e:
+            raise APIConnectionError(f"cannot reach {self.base_url}: {e!r}") from e
+        if response.status_code >= 400:
+            raise status_error_from_response(response)
+        return response
+
+    async def _resolve_model(self, model: str | None) -> str:
+        m = self._default_model(model)
+        if m:
+            return m
+        models = await self.models.list()
+        if not models.data:
+            raise APIError(f"no model given and {self.base_url} lists no models")
+        self._resolved_model = models.data[0].id
+        return self._resolved_model
+
+    async def _llm(
+        self,
+        path: str,
+        operation: str,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        cast: type[M],
+        chunk_cls: type[BaseModel],
+        slo: SLO | dict[str, Any] | None,
+        waiting_time: float | None,
+        parents: Sequence[str] | None,
+        timeout: float | httpx.Timeout | None,
+        extra_headers: Mapping[str, str] | None,
+        extra_body: Mapping[str, Any] | None,
+        extra: dict[str, Any],
+    ) -> Any:
+        call, body, headers = self._prepare_llm(
+            operation=operation, body=body, stream=stream, slo=slo, waiting_time=waiting_time,
+            parents=parents, extra_body=extra_body, extra=extra,
+        )
+        try:
+            request = self._http.build_request(
+                "POST", path, json=body, headers={**headers, **(extra_headers or {})},
+                timeout=_NOT_GIVEN if timeout is None else timeout,
+            )
+            try:
+                response = await self._http.send(request, stream=True)
+            except httpx.TimeoutException as e:
+                raise APITimeoutError(request=request) from e
+            except httpx.TransportError as e:
+                raise APIConnectionError(f"cannot reach {self.base_url}: {e!r}", request=request) from e
+            if response.status_code >= 400:
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                raise status_error_from_response(response)
+        except BaseException as e:
+            call.finish(error=e)
+            raise
+        if stream:
+            return AsyncStream(response, chunk_cls, call)
+        try:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+            obj = self._parse(cast, response)
+        except httpx.TimeoutException as e:
+            exc: BaseException = APITimeoutError(request=request)
+            call.finish(error=exc)
+            raise exc from e
+        except httpx.TransportError as e:
+            exc = APIConnectionError(f"connection error reading the response: {e!r}", request=request)
+            call.finish(error=exc)
+            raise exc from e
+        except BaseException as e:
+            call.finish(error=e)
+            raise
+        self._finish_parsed(call, obj)
+        return obj
+
+
+class AsyncChat:
+    """``client.chat`` namespace."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.completions = AsyncChatCompletions(client)
+
+
+class AsyncChatCompletions:
+    """``client.chat.completions``."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(
+        self,
+        *,
+        messages: Sequence[Mapping[str, Any]],
+        model: str | None = None,
+        stream: bool = False,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        slo: SLO | dict[str, Any] | None = None,
+        waiting_time: float | None = None,
+        parents: Sequence[str] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
+        """``POST /v1/chat/completions``.
+
+        Args:
+            messages: OpenAI chat messages (non-empty list of ``{"role", "content"}``).
+            model: model id (default: task/client model, else the server's first model).
+            stream: if True, returns an :class:`AsyncStream` of :class:`ChatCompletionChunk`
+                (sent once the response headers arrive, so admission errors raise here).
+            max_tokens: output-token cap. temperature: sampling temperature.
+            response_format: OpenAI ``response_format`` object.
+            slo: :class:`Latency` | :class:`Deadline` | :class:`Compound` | :class:`BestEffort` or a
+                wire dict. Default: none outside a task; inside a task ``Compound`` with the time
+                left to the task deadline (``BestEffort`` in a best-effort stage).
+            waiting_time: admission bound in seconds, merged into the SLO.
+            parents: explicit parent call ids inside a task (default: previous stage's calls).
+            timeout: per-call timeout override (seconds / ``httpx.Timeout``).
+            extra_headers, extra_body, **extra: merged into the request headers / JSON body.
+
+        Returns:
+            :class:`ChatCompletion` (``.jitflow`` = :class:`Timing`) or an :class:`AsyncStream`.
+
+        Raises:
+            ValueError: bad ``messages`` / SLO values (pydantic ``ValidationError`` is a ValueError).
+            APIStatusError subclasses, AdmissionRejectedError, APIConnectionError, APITimeoutError,
+            DeadlineExceededError (implicit stage after the task deadline).
+        """
+        msgs = _check_messages(messages)
+        model = await self._client._resolve_model(model)
+        body = _compact(
+            {
+                "model": model,
+                "messages": msgs,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "response_format": dict(response_format) if response_format is not None else None,
+            }
+        )
+        return await self._client._llm(
+            "/v1/chat/completions", "chat", body, stream=stream, cast=ChatCompletion,
+            chunk_cls=ChatCompletionChunk, slo=slo, waiting_time=waiting_time, parents=parents,
+            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
+        )
+
+
+class AsyncCompletions:
+    """``client.completions`` (legacy text completions)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(
+        self,
+        *,
+        prompt: str | list[int],
+        model: str | None = None,
+        stream: bool = False,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        slo: SLO | dict[str, Any] | None = None,
+        waiting_time: float | None = None,
+        parents: Sequence[str] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> Completion | AsyncStream[Completion]:
+        """``POST /v1/completions``; same arguments and errors as chat, with ``prompt`` (text or
+        token ids) instead of ``messages``. Streamed chunks are :class:`Completion` objects."""
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
+            raise ValueError("prompt must be a non-empty string or a list of token ids")
+        model = await self._client._resolve_model(model)
+        body = _compact({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature})
+        return await self._client._llm(
+            "/v1/completions", "text_completion", body, stream=stream, cast=Completion,
+            chunk_cls=Completion, slo=slo, waiting_time=waiting_time, parents=parents,
+            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
+        )
+
+
+class AsyncModels:
+    """``client.models``."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def list(self) -> ModelList:
+        """``GET /v1/models`` -> :class:`ModelList` (``.data`` is a list of :class:`Model`)."""
+        response = await self._client._request("GET", "/v1/models")
+        return self._client._parse(ModelList, response)
+
+
+# ============================================================================ sync
+class Client(_BaseClient):
+    """Synchronous twin of :class:`AsyncClient` (same arguments minus telemetry; compound tasks
+    are async-only). ``transport`` is an ``httpx.BaseTransport``."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+        model: str | None = None,
+        default_headers: Mapping[str, str] | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        super().__init__(base_url, api_key, model, default_headers, tracer_provider)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
+        )
+        self.chat = Chat(self)
+        self.completions = Completions(self)
+        self.models = Models(self)
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        """``GET /v1/tasks/{task_id}`` (see :meth:`AsyncClient.get_task`)."""
+        response = self._request("GET", f"/v1/tasks/{task_id}")
+        try:
+            return response.json()
+        except ValueError as e:
+            raise APIError("task view is not JSON", request=response.request) from e
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as e:
+            raise APITimeoutError(request=getattr(e, "request", None)) from e
+        except httpx.TransportError as e:
+            raise APIConnectionError(f"cannot reach {self.base_url}: {e!r}") from e
+        if response.status_code >= 400:
+            raise status_error_from_response(response)
+        return response
+
+    def _resolve_model(self, model: str | None) -> str:
+        m = self._default_model(model)
+        if m:
+            return m
+        models = self.models.list()
+        if not models.data:
+            raise APIError(f"no model given and {self.base_url} lists no models")
+        self._resolved_model = models.data[0].id
+        return self._resolved_model
+
+    def _llm(
+        self,
+        path: str,
+        operation: str,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        cast: type[M],
+        chunk_cls: type[BaseModel],
+        slo: SLO | dict[str, Any] | None,
+        waiting_time: float | None,
+        parents: Sequence[str] | None,
+        timeout: float | httpx.Timeout | None,
+        extra_headers: Mapping[str, str] | None,
+        extra_body: Mapping[str, Any] | None,
+        extra: dict[str, Any],
+    ) -> Any:
+        call, body, headers = self._prepare_llm(
+            operation=operation, body=body, stream=stream, slo=slo, waiting_time=waiting_time,
+            parents=parents, extra_body=extra_body, extra=extra,
+        )
+        try:
+            request = self._http.build_request(
+                "POST", path, json=body, headers={**headers, **(extra_headers or {})},
+                timeout=_NOT_GIVEN if timeout is None else timeout,
+            )
+            try:
+                response = self._http.send(request, stream=True)
+            except httpx.TimeoutException as e:
+                raise APITimeoutError(request=request) from e
+            except httpx.TransportError as e:
+                raise APIConnectionError(f"cannot reach {self.base_url}: {e!r}", request=request) from e
+            if response.status_code >= 400:
+                try:
+                    response.read()
+                finally:
+                    response.close()
+                raise status_error_from_response(response)
+        except BaseException as e:
+            call.finish(error=e)
+            raise
+        if stream:
+            return Stream(response, chunk_cls, call)
+        try:
+            try:
+                response.read()
+            finally:
+                response.close()
+            obj = self._parse(cast, response)
+        except httpx.TimeoutException as e:
+            exc: BaseException = APITimeoutError(request=request)
+            call.finish(error=exc)
+            raise exc from e
+        except httpx.TransportError as e:
+            exc = APIConnectionError(f"connection error reading the response: {e!r}", request=request)
+            call.finish(error=exc)
+            raise exc from e
+        except BaseException as e:
+            call.finish(error=e)
+            raise
+        self._finish_parsed(call, obj)
+        return obj
+
+
+class Chat:
+    """``client.chat`` namespace (sync)."""
+
+    def __init__(self, client: Client) -> None:
+        self.completions = ChatCompletions(client)
+
+
+class ChatCompletions:
+    """``client.chat.completions`` (sync)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def create(
+        self,
+        *,
+        messages: Sequence[Mapping[str, Any]],
+        model: str | None = None,
+        stream: bool = False,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        slo: SLO | dict[str, Any] | None = None,
+        waiting_time: float | None = None,
+        parents: Sequence[str] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> ChatCompletion | Stream[ChatCompletionChunk]:
+        """Sync twin of :meth:`AsyncChatCompletions.create` (returns a :class:`Stream` when
+        ``stream=True``)."""
+        msgs = _check_messages(messages)
+        model = self._client._resolve_model(model)
+        body = _compact(
+            {
+                "model": model,
+                "messages": msgs,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "response_format": dict(response_format) if response_format is not None else None,
+            }
+        )
+        return self._client._llm(
+            "/v1/chat/completions", "chat", body, stream=stream, cast=ChatCompletion,
+            chunk_cls=ChatCompletionChunk, slo=slo, waiting_time=waiting_time, parents=parents,
+            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
+        )
+
+
+class Completions:
+    """``client.completions`` (sync)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def create(
+        self,
+        *,
+        prompt: str | list[int],
+        model: str | None = None,
+        stream: bool = False,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        slo: SLO | dict[str, Any] | None = None,
+        waiting_time: float | None = None,
+        parents: Sequence[str] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> Completion | Stream[Completion]:
+        """Sync twin of :meth:`AsyncCompletions.create`."""
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
+            raise ValueError("prompt must be a non-empty string or a list of token ids")
+        model = self._client._resolve_model(model)
+        body = _compact({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature})
+        return self._client._llm(
+            "/v1/completions", "text_completion", body, stream=stream, cast=Completion,
+            chunk_cls=Completion, slo=slo, waiting_time=waiting_time, parents=parents,
+            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
+        )
+
+
+class Models:
+    """``client.models`` (sync)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def list(self) -> ModelList:
+        """``GET /v1/models`` -> :class:`ModelList`."""
+        response = self._client._request("GET", "/v1/models")
+        return self._client._parse(ModelList, response)

@@ -1,0 +1,146 @@
+"""Request bodies of the HTTP API (OpenAI-compatible, plus jitflow's ``slo`` and ``jitflow`` objects).
+
+See ``docs/api.md``. Validation errors become HTTP 400 with ``error.param`` naming the
+field (``slo.deadline``, ``max_tokens``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SLO_KINDS = ("latency", "deadline", "compound", "best_effort")
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """The JSON error body (OpenAI shape)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def _positive_finite(v: float | None, name: str) -> float | None:
+    if v is None:
+        return v
+    if isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {v!r}")
+    return float(v)
+
+
+class SLO(BaseModel):
+    """The ``slo`` object: kind and its parameters (seconds). JITServe §3, §5."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["latency", "deadline", "compound", "best_effort"] = "best_effort"
+    ttft: float | None = None
+    tbt: float | None = None
+    deadline: float | None = None
+    waiting_time: float | None = None
+
+    @field_validator("ttft", "tbt", "deadline", "waiting_time", mode="before")
+    @classmethod
+    def _check(cls, v: Any, info) -> Any:
+        if v is None:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{info.field_name} must be a number of seconds")
+        return _positive_finite(float(v), info.field_name)
+
+    def check_required(self, in_task: bool = False) -> None:
+        """Raise ``APIError(400)`` naming the missing field the kind needs."""
+        need = {"latency": ("ttft", "tbt"), "deadline": ("deadline",),
+                "compound": () if in_task else ("deadline",), "best_effort": ()}[self.kind]
+        for f in need:
+            if getattr(self, f) is None:
+                raise APIError(400, f"slo.{f} is required for kind {self.kind!r}", param=f"slo.{f}")
+
+
+class TaskContext(BaseModel):
+    """The ``jitflow`` object: which compound task and stage a call belongs to (issue 5)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_id: str = Field(min_length=1, max_length=200)
+    stage: str | None = None
+    stage_index: int = Field(default=0, ge=0)
+    call_id: str | None = None
+    parents: list[str] = Field(default_factory=list)
+
+
+class ChatMessage(BaseModel):
+    """One chat message (text content, or a list of ``{"type": "text", "text": ...}`` parts)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text content."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(p.get("text", "")) for p in self.content if isinstance(p, dict))
+
+
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``."""
+
+    include_usage: bool = True
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    user: str | None = None
+    slo: SLO | None = None
+    jitflow: TaskContext | None = None
+    #: Extra jf_* scheduler metadata (vLLM's ``vllm_xargs``; flat values only).
+    vllm_xargs: dict[str, str | int | float] | None = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions`` body."""
+
+    prompt: str | list[int] = Field(min_length=1)
+    response_format: dict[str, Any] | None = None

@@ -1,0 +1,100 @@
+"""CLI of the engines: ``jitflow serve``, ``jitflow vllm-serve``, ``jitflow model build-demo``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from jitflow_server.engine.demo_model import VARIANTS
+
+
+def _parse_params(params: list[str]) -> dict:
+    out: dict = {}
+    for p in params:
+        if "=" not in p:
+            raise typer.BadParameter(f"policy parameter {p!r} must look like NAME=VALUE", param_hint="--param")
+        k, v = p.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except ValueError:
+            out[k.strip()] = v
+    return out
+
+
+def register(app: typer.Typer, model_app: typer.Typer) -> None:
+    """Attach the serving and model commands."""
+
+    @model_app.command("build-demo")
+    def build_demo(
+        out: Optional[Path] = typer.Option(None, help="Target directory (default: ~/.cache/jitflow/models/VARIANT)."),
+        variant: str = typer.Option("demo", help=f"One of {sorted(VARIANTS)}."),
+        force: bool = typer.Option(False, help="Rebuild even if a complete build exists."),
+    ) -> None:
+        """Build the deterministic random-weight Llama + locally trained BPE tokenizer (no network)."""
+        from jitflow_server.engine.demo_model import build_demo_model
+
+        if variant not in VARIANTS:
+            raise typer.BadParameter(f"unknown variant {variant!r}; choose one of {sorted(VARIANTS)}",
+                                     param_hint="--variant")
+        path = build_demo_model(variant, out, force=force)
+        meta = json.loads((path / "jitflow-demo.json").read_text())
+        typer.echo(f"{variant} model at {path} ({meta['parameters'] / 1e6:.1f} M parameters)")
+
+    @app.command()
+    def serve(
+        host: str = typer.Option("127.0.0.1", help="Address to bind."),
+        port: int = typer.Option(8000, help="TCP port."),
+        model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
+        served_name: Optional[str] = typer.Option(None, help="Model id clients use (default: --model's name)."),
+        engine: str = typer.Option("vllm", help="Serving engine (only 'vllm' is embedded)."),
+        policy: str = typer.Option("gmax", help="gmax | gmax-jit | fcfs | sarathi | edf | sjf | las | oracle."),
+        param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (repeatable), e.g. "
+                                        "delta_steps=50, p=0.95, delta=0.01, fairness=0."),
+        batch_size: int = typer.Option(32, help="B: requests run per engine step."),
+        max_model_len: int = typer.Option(8192, help="Context length (tokens)."),
+        kv_cache_gib: float = typer.Option(2.0, help="KV cache size (GiB)."),
+        waiting_time: float = typer.Option(5.0, help="Default admission waiting_time (s) for SLO requests."),
+        history_db: Optional[Path] = typer.Option(None, help="Pattern-graph history DB (default: "
+                                                  "$JITFLOW_HISTORY_DB or ~/.cache/jitflow/history.sqlite)."),
+        patterns: Optional[list[Path]] = typer.Option(None, "--patterns", help="JSONL pattern corpora to load "
+                                                      "as initial history (repeatable)."),
+        log_level: str = typer.Option("warning", help="uvicorn log level."),
+    ) -> None:
+        """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
+        import os
+
+        import uvicorn
+
+        from jitflow_server.api.app import ServerSettings, create_app
+        from jitflow_server.engine.demo_model import resolve_model
+        from jitflow_server.engine.vllm_engine import EngineConfig
+        from jitflow_server.scheduler import POLICY_NAMES, make_policy
+
+        if engine != "vllm":
+            raise typer.BadParameter("only the embedded 'vllm' engine is supported", param_hint="--engine")
+        if policy not in POLICY_NAMES:
+            raise typer.BadParameter(f"choose one of {list(POLICY_NAMES)}", param_hint="--policy")
+        params = _parse_params(param)
+        if policy != "fcfs":
+            try:
+                make_policy(policy, **params)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--param") from None
+        try:
+            path = resolve_model(model)
+        except FileNotFoundError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from None
+        if history_db is not None:
+            os.environ["JITFLOW_HISTORY_DB"] = str(history_db)
+        if patterns:
+            os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
+        name = served_name or (model if model in VARIANTS else path.name)
+        cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
+                           batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
+        typer.echo(f"jitflow: starting vLLM on {path} (policy {policy}); listening on http://{host}:{port}",
+                   err=True)
+        uvicorn.run(create_app(cfg, ServerSettings(default_waiting_time=waiting_time)), host=host, port=port,
+                    log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,361 @@
+"""vLLM v1 scheduler plug-in: makes vLLM run exactly the batch the jitflow policy core picks.
+
+Use it as ``scheduler_cls`` (``"jitflow_server.engine.plugin.JitflowScheduler"``) in an
+embedded ``AsyncLLM`` (``jitflow serve``) or a stand-alone vLLM OpenAI server
+(``jitflow vllm-serve``). Policy settings travel in ``additional_config["jitflow"]``
+(``{"policy": "gmax", "params": {...}, "batch_size": 32}``); per-request SLO
+metadata travels in ``SamplingParams.extra_args`` (OpenAI server: ``vllm_xargs``),
+flat keys prefixed ``jf_`` (see ``docs/scheduling.md``):
+
+``jf_id`` (caller's request id), ``jf_kind`` (latency|deadline|compound|best_effort),
+``jf_arrival`` (unix s), ``jf_ttft``/``jf_tbt`` (s), ``jf_deadline`` (s *relative to
+arrival*), ``jf_sub_deadline`` (absolute unix s), ``jf_waiting_time`` (s),
+``jf_task``/``jf_stage`` (compound task id / stage index), ``jf_len_bound`` (tokens),
+``jf_task_tokens`` (tokens), ``jf_task_rem_time`` (s), ``jf_true_len`` (oracle only).
+
+How the batch is enforced (vLLM 0.32, ``v1/core/sched/scheduler.py``): at each step
+the policy's plan (recomputed every Δ decode steps and on arrivals/finishes) is applied
+by (1) preempting the chosen victims through vLLM's own ``_preempt_request``
+(recompute: KV freed), (2) showing the base scheduler, for this step only, the
+chosen running requests in plan order and a waiting queue holding only the chosen
+waiting requests, with the active cap set to B, (3) restoring the hidden requests
+afterwards. Hidden running requests keep their KV (paused, not preempted).
+
+A side channel, ``EngineCore.jitflow_rpc(method, payload)``, is installed when this
+module is imported in the engine process; the server calls it with
+``call_utility_async("jitflow_rpc", ...)`` to push refined length bounds and
+sub-deadlines, to reject requests not admitted within their ``waiting_time``
+(JITServe §5 admission control), to switch policy, and to read scheduler stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from typing import Any
+
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import Request, RequestStatus
+
+from jitflow_server.scheduler import Kind, RequestView, SchedContext, make_policy
+from jitflow_server.tracker.steps import StepTimeTracker
+
+logger = logging.getLogger("jitflow.plugin")
+
+#: Policies for which the plug-in simply runs vLLM's own FCFS scheduler (capped at B).
+PASSTHROUGH = {"fcfs", "vllm"}
+
+_KINDS = {k.value: k for k in Kind}
+
+
+def _f(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+class _Meta:
+    """Parsed jitflow metadata of one engine request (see module docstring for keys)."""
+
+    __slots__ = ("jf_id", "kind", "arrival", "ttft", "tbt", "deadline", "sub_deadline", "waiting_time",
+                 "task", "stage", "len_bound", "task_tokens", "task_rem_time", "true_len", "first_sched",
+                 "first_token", "last_token")
+
+    def __init__(self, req: Request) -> None:
+        sp = req.sampling_params
+        xa = dict(sp.extra_args or {}) if sp is not None else {}
+        self.jf_id = str(xa.get("jf_id") or req.request_id)
+        self.kind = _KINDS.get(str(xa.get("jf_kind", "best_effort")), Kind.BEST_EFFORT)
+        self.arrival = _f(xa.get("jf_arrival")) or float(req.arrival_time)
+        self.ttft = _f(xa.get("jf_ttft"))
+        self.tbt = _f(xa.get("jf_tbt"))
+        rel = _f(xa.get("jf_deadline"))
+        self.deadline = self.arrival + rel if rel is not None else None
+        self.sub_deadline = _f(xa.get("jf_sub_deadline"))
+        self.waiting_time = _f(xa.get("jf_waiting_time"))
+        self.task = str(xa["jf_task"]) if xa.get("jf_task") else None
+        st = _f(xa.get("jf_stage"))
+        self.stage = int(st) if st is not None else None
+        lb = _f(xa.get("jf_len_bound"))
+        self.len_bound = int(lb) if lb is not None else None
+        tt = _f(xa.get("jf_task_tokens"))
+        self.task_tokens = int(tt) if tt is not None else None
+        self.task_rem_time = _f(xa.get("jf_task_rem_time")) or 0.0
+        tl = _f(xa.get("jf_true_len"))
+        self.true_len = int(tl) if tl is not None else None
+        self.first_sched: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+
+
+class JitflowScheduler(Scheduler):
+    """vLLM ``Scheduler`` subclass driven by the jitflow policy core (GMAX or a baseline).
+
+    Async scheduling: vLLM forces it off on CPU (``platforms/cpu.py``); on GPU run the
+    server with ``--no-async-scheduling`` (see ``docs/scheduling.md``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = dict((self.vllm_config.additional_config or {}).get("jitflow", {}))
+        self.batch_size = int(cfg.get("batch_size") or self.max_num_running_reqs)
+        self._base_active_cap = self.max_num_active_reqs
+        self.tracker = StepTimeTracker()
+        self.meta: dict[str, _Meta] = {}
+        self.by_jf: dict[str, str] = {}
+        self.task_attained: dict[str, int] = {}
+        self.step_no = 0
+        self.frame_no = 0
+        self.frame_ms: deque[float] = deque(maxlen=4096)
+        self.n_preempted = 0
+        self.n_rejected = 0
+        self._dirty = True
+        self._plan_batch: list[str] = []
+        self._plan_preempt: list[str] = []
+        self._t_sched_end: float | None = None
+        self._set_policy(str(cfg.get("policy", "fcfs")), dict(cfg.get("params") or {}))
+
+    # ---------------------------------------------------------------- policy
+    def _set_policy(self, name: str, params: dict) -> None:
+        self.policy_name = name
+        self.policy_params = params
+        self.policy = None if name in PASSTHROUGH else make_policy(name, **params)
+        self.max_num_active_reqs = min(self._base_active_cap, self.batch_size)
+        self._dirty = True
+
+    # ---------------------------------------------------------- bookkeeping
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        m = _Meta(request)
+        self.meta[request.request_id] = m
+        self.by_jf[m.jf_id] = request.request_id
+        self._dirty = True
+
+    def _forget(self, req_id: str) -> None:
+        m = self.meta.pop(req_id, None)
+        if m is not None and self.by_jf.get(m.jf_id) == req_id:
+            del self.by_jf[m.jf_id]
+
+    def finish_requests(self, request_ids, finished_status):  # type: ignore[override]
+        done = super().finish_requests(request_ids, finished_status)
+        for r in done:
+            self._forget(r.request_id)
+        if done:
+            self._dirty = True
+        return done
+
+    def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
+        now = time.time()
+        if self._t_sched_end is not None:
+            n_dec = 0
+            pre = 0
+            for rid, n in scheduler_output.num_scheduled_tokens.items():
+                r = self.requests.get(rid)
+                if r is not None and n == 1 and r.num_computed_tokens >= r.num_prompt_tokens:
+                    n_dec += 1
+                else:
+                    pre += n
+            self.tracker.record(now - self._t_sched_end, n_dec, pre)
+        before = {rid: self.requests[rid].num_output_tokens for rid in scheduler_output.num_scheduled_tokens
+                  if rid in self.requests}
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        for rid, n0 in before.items():
+            r = self.requests.get(rid)
+            m = self.meta.get(rid)
+            if m is None:
+                continue
+            n1 = r.num_output_tokens if r is not None else n0
+            if n1 > n0:
+                if m.first_token is None:
+                    m.first_token = now
+                m.last_token = now
+                if m.task:
+                    self.task_attained[m.task] = self.task_attained.get(m.task, 0) + (n1 - n0)
+            if r is None or r.is_finished():
+                self._forget(rid)
+                self._dirty = True
+        return out
+
+    # -------------------------------------------------------------- schedule
+    def _views(self, reqs: list[Request]) -> list[RequestView]:
+        views = []
+        for r in reqs:
+            m = self.meta.get(r.request_id)
+            if m is None:
+                continue
+            mt = r.max_tokens
+            bound = m.len_bound if m.len_bound is not None else mt
+            views.append(RequestView(
+                req_id=r.request_id, kind=m.kind, arrival=m.arrival, input_len=r.num_prompt_tokens,
+                generated=r.num_output_tokens, len_bound=max(int(bound or 1), 1),
+                running=r.status == RequestStatus.RUNNING, kv_tokens=int(r.num_computed_tokens),
+                ttft=m.ttft, tbt=m.tbt, deadline=m.deadline, sub_deadline=m.sub_deadline, task_id=m.task,
+                stage_index=m.stage, task_tokens_est=m.task_tokens, task_rem_gen_time=m.task_rem_time,
+                attained_service=float(self.task_attained.get(m.task, 0) if m.task else r.num_output_tokens),
+                true_len=m.true_len, max_tokens=mt, first_token_time=m.first_token, last_token_time=m.last_token,
+            ))
+        return views
+
+    def _replan(self, now: float) -> None:
+        cands = list(self.running) + [r for r in self.waiting]
+        views = self._views(cands)
+        ctx = SchedContext(
+            now=now, batch_size=self.batch_size,
+            token_time=self.tracker.token_time(min(self.batch_size, max(len(views), 1))),
+            prefill_rate=self.tracker.prefill_rate(),
+            kv_capacity_tokens=int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size) or None,
+        )
+        t0 = time.perf_counter()
+        decision = self.policy.schedule(views, ctx)
+        self.frame_ms.append((time.perf_counter() - t0) * 1e3)
+        self.frame_no += 1
+        self._plan_batch = list(decision.batch)
+        self._plan_preempt = list(decision.preempt)
+
+    def schedule(self, throttle_prefills: bool = False):  # type: ignore[override]
+        now = time.time()
+        for r in self.running:  # first time each request gets scheduled (admission)
+            m = self.meta.get(r.request_id)
+            if m is not None and m.first_sched is None:
+                m.first_sched = now
+        if self.policy is None:
+            out = super().schedule(throttle_prefills)
+            self._mark_scheduled(out, now)
+            self._t_sched_end = time.time()
+            return out
+        self.step_no += 1
+        if self.policy.needs_recompute(self.step_no, self._dirty) or self._dirty:
+            self._replan(now)
+            self._dirty = False
+        chosen = {rid: i for i, rid in enumerate(self._plan_batch)}
+        # (1) cost-aware preemptions chosen by the policy, through vLLM's own path.
+        victims = [r for r in self.running if r.request_id in set(self._plan_preempt)]
+        if victims:
+            vs = set(victims)
+            self.running = [r for r in self.running if r not in vs]
+            for r in victims:
+                self._preempt_request(r, now)
+                self.n_preempted += 1
+            self._plan_preempt = []
+        # Keep the model runner within its slot count: hidden (paused) running requests that the
+        # plan does not run give way to chosen waiting requests.
+        run_sel = sorted((r for r in self.running if r.request_id in chosen), key=lambda r: chosen[r.request_id])
+        hidden = [r for r in self.running if r.request_id not in chosen]
+        wait_sel = sorted((r for r in self.waiting if r.request_id in chosen or
+                           self._is_blocked_waiting_status(r.status)),
+                          key=lambda r: chosen.get(r.request_id, len(chosen)))
+        overflow = len(run_sel) + len(hidden) + len(wait_sel) - self.max_num_running_reqs
+        if overflow > 0 and hidden:
+            for r in hidden[-overflow:]:
+                self._preempt_request(r, now)
+                self.n_preempted += 1
+            hidden = hidden[:-overflow] if overflow < len(hidden) else []
+            self.running = run_sel + hidden
+        saved_waiting = self.waiting
+        sel_ids = {r.request_id for r in wait_sel}
+        rest_waiting = [r for r in saved_waiting if r.request_id not in sel_ids]
+        tmp = FCFSRequestQueue()
+        for r in wait_sel:
+            tmp.append(r)
+        self.running = run_sel
+        self.waiting = tmp
+        try:
+            out = super().schedule(throttle_prefills)
+        finally:
+            scheduled = self.running
+            still_running = set(scheduled)
+            self.running = scheduled + [r for r in hidden if r not in still_running
+                                        and r.status == RequestStatus.RUNNING]
+            leftover = list(self.waiting)  # chosen-but-not-admitted + anything base preempted
+            q = FCFSRequestQueue()
+            seen = set()
+            for r in leftover + rest_waiting:
+                if r.request_id not in seen and not r.is_finished() and r.status != RequestStatus.RUNNING:
+                    seen.add(r.request_id)
+                    q.append(r)
+            self.waiting = q
+        self._mark_scheduled(out, now)
+        self._t_sched_end = time.time()
+        return out
+
+    def _mark_scheduled(self, out, now: float) -> None:
+        for rid in out.num_scheduled_tokens:
+            m = self.meta.get(rid)
+            if m is not None and m.first_sched is None:
+                m.first_sched = now
+
+    # ------------------------------------------------------------------- RPC
+    def jitflow_rpc(self, method: str, payload: dict | None = None) -> Any:
+        """Side-channel calls from the jitflow server (run between engine steps).
+
+        Methods: ``stats``; ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
+        "finished": [[jf_id, goodput], ...]}``); ``reject_waiting`` (``{"ids": [jf_id...]}`` -> ids that
+        had never been scheduled and are now removed); ``set_policy`` (``{"name", "params"}``).
+        Raises ``ValueError`` for an unknown method or bad policy.
+        """
+        p = payload or {}
+        if method == "stats":
+            return self._stats()
+        if method == "update":
+            for jf, b in (p.get("len_bound") or {}).items():
+                rid = self.by_jf.get(jf)
+                if rid in self.meta:
+                    self.meta[rid].len_bound = int(b)
+            for jf, t in (p.get("sub_deadline") or {}).items():
+                rid = self.by_jf.get(jf)
+                if rid in self.meta:
+                    self.meta[rid].sub_deadline = float(t)
+            if self.policy is not None:
+                for jf, g in p.get("finished") or []:
+                    self.policy.on_finished(str(jf), float(g), time.time())
+            self._dirty = True
+            return {"ok": True}
+        if method == "reject_waiting":
+            rejected = []
+            for jf in p.get("ids") or []:
+                rid = self.by_jf.get(jf)
+                m = self.meta.get(rid) if rid else None
+                r = self.requests.get(rid) if rid else None
+                if r is None or m is None or m.first_sched is not None or r.status == RequestStatus.RUNNING:
+                    continue
+                self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+                self.n_rejected += 1
+                rejected.append(jf)
+            return {"rejected": rejected}
+        if method == "set_policy":
+            self._set_policy(str(p.get("name", "gmax")), dict(p.get("params") or {}))
+            return self._stats()
+        raise ValueError(f"unknown jitflow_rpc method {method!r}")
+
+    def _stats(self) -> dict:
+        import statistics
+
+        fm = sorted(self.frame_ms)
+
+        def pct(q: float) -> float | None:
+            return fm[min(len(fm) - 1, int(q * len(fm)))] if fm else None
+
+        return {
+            "policy": self.policy_name, "params": self.policy_params, "batch_size": self.batch_size,
+            "running": len(self.running), "waiting": len(self.waiting),
+            "unfinished": self.get_num_unfinished_requests(), "steps": self.step_no, "frames": self.frame_no,
+            "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
+            "preempted": self.n_preempted, "rejected": self.n_rejected, "tracker": self.tracker.summary(),
+        }
+
+
+def _engine_core_jitflow_rpc(self: EngineCore, method: str, payload: dict | None = None) -> Any:
+    sched = self.scheduler
+    if not hasattr(sched, "jitflow_rpc"):
+        raise RuntimeError("the engine is not running the jitflow scheduler plug-in")
+    return sched.jitflow_rpc(method, payload)
+
+
+# Installed in the engine-core process when vLLM resolves ``scheduler_cls``.
+EngineCore.jitflow_rpc = _engine_core_jitflow_rpc  # type: ignore[attr-defined]

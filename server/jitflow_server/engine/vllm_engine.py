@@ -1,0 +1,119 @@
+"""Embedded vLLM v1 ``AsyncLLM`` with the jitflow scheduler plug-in (DESIGN.md §6).
+
+``EngineConfig`` describes the engine; ``VLLMEngine.start`` builds it (15–60 s on a
+2-core CPU: vLLM spawns an engine-core process and a worker). Code that starts an
+engine must run under an ``if __name__ == "__main__":`` guard (spawned processes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("jitflow.engine")
+
+PLUGIN_CLS = "jitflow_server.engine.plugin.JitflowScheduler"
+
+
+class EngineError(RuntimeError):
+    """The engine failed to start or to serve a request."""
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the embedded engine.
+
+    Attributes:
+        model: model directory (see ``demo_model.resolve_model``).
+        served_name: model id clients use (``/v1/models``).
+        policy: scheduling policy (``gmax``, ``fcfs``, ``edf``, ``sjf``, ``las``, ...).
+        policy_params: policy parameters (Δ, p, δ, f, ...; ``GMAXParams`` fields).
+        batch_size: B, requests run per step (also vLLM's active cap).
+        max_model_len: context length (tokens).
+        max_num_batched_tokens: prefill chunk budget per step (tokens).
+        kv_cache_gib: KV cache size (GiB; sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU).
+        structured_outputs: enable the guidance backend for ``response_format``.
+    """
+
+    model: Path
+    served_name: str = "demo"
+    policy: str = "gmax"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 32
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 2048
+    kv_cache_gib: float = 2.0
+    structured_outputs: bool = True
+    seed: int = 0
+
+
+class VLLMEngine:
+    """Owner of one ``AsyncLLM`` running ``JitflowScheduler``; ``start()`` then ``generate``/``abort``/``rpc``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.llm = None
+        self.tokenizer = None
+
+    def start(self) -> None:
+        """Build the engine (blocking). Raises ``EngineError`` with vLLM's message on failure."""
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        c = self.config
+        kwargs: dict[str, Any] = dict(
+            model=str(c.model), served_model_name=[c.served_name], dtype="bfloat16",
+            max_model_len=c.max_model_len, max_num_seqs=2 * c.batch_size,
+            max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=True, disable_log_stats=True,
+            scheduler_cls=PLUGIN_CLS, seed=c.seed,
+            additional_config={"jitflow": {"policy": c.policy, "params": c.policy_params,
+                                           "batch_size": c.batch_size}},
+        )
+        if c.structured_outputs:
+            kwargs["structured_outputs_config"] = {"backend": "guidance", "disable_any_whitespace": True}
+        try:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as exc:  # vLLM raises plain RuntimeError/ValueError
+            raise EngineError(f"vLLM engine failed to start for {c.model}: {exc}") from exc
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(c.model))
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine core is running and not errored."""
+        return self.llm is not None and not getattr(self.llm, "errored", False)
+
+    def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str) -> AsyncIterator:
+        """Stream ``RequestOutput`` deltas for one request (``sampling_params.output_kind`` DELTA)."""
+        if self.llm is None:
+            raise EngineError("engine not started")
+        return self.llm.generate({"prompt_token_ids": prompt_token_ids}, sampling_params, request_id=request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort one request in the frontend and the engine core (idempotent)."""
+        if self.llm is not None:
+            await self.llm.abort(request_id)
+
+    async def rpc(self, method: str, payload: dict | None = None) -> Any:
+        """Call ``JitflowScheduler.jitflow_rpc`` in the engine-core process (see ``engine/plugin.py``)."""
+        if self.llm is None:
+            raise EngineError("engine not started")
+        return await self.llm.engine_core.call_utility_async("jitflow_rpc", method, payload or {})
+
+    def num_unfinished_frontend(self) -> int:
+        """Requests the frontend (output processor) still tracks."""
+        return self.llm.output_processor.get_num_unfinished_requests() if self.llm else 0
+
+    def shutdown(self) -> None:
+        """Stop the engine-core and worker processes."""
+        if self.llm is not None:
+            try:
+                self.llm.shutdown()
+            finally:
+                self.llm = None

@@ -1,0 +1,92 @@
+"""jitflow_server.scheduler: the pure policy core (GMAX and baselines). Imports nothing from vLLM.
+
+The same objects decide in the vLLM scheduler plug-in and in the simulator::
+
+    from jitflow_server.scheduler import make_policy, RequestView, SchedContext, Kind
+    policy = make_policy("gmax", delta_steps=50, p=0.95)
+    if policy.needs_recompute(step, arrivals_or_finishes):
+        decision = policy.schedule(views, ctx)   # decision.batch, decision.preempt
+
+See ``docs/scheduling.md`` for the algorithm and parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jitflow_server.scheduler.adapt import CutoffAdapter
+from jitflow_server.scheduler.baselines import (
+    EDFPolicy,
+    FCFSPolicy,
+    LASPolicy,
+    OrderPolicy,
+    SarathiPolicy,
+    SJFPolicy,
+)
+from jitflow_server.scheduler.gmax import GMAXParams, GMAXPolicy, estimate, ontime_tokens, select_window
+from jitflow_server.scheduler.replicas import best_replica, dummy_copies
+from jitflow_server.scheduler.snapshot import SchedulingInputError
+from jitflow_server.scheduler.types import Decision, Kind, Policy, RequestView, SchedContext
+
+POLICY_NAMES = ("gmax", "gmax-jit", "fcfs", "sarathi", "edf", "sjf", "las", "oracle")
+
+_BASELINES: dict[str, type[OrderPolicy]] = {
+    "fcfs": FCFSPolicy,
+    "sarathi": SarathiPolicy,
+    "edf": EDFPolicy,
+    "sjf": SJFPolicy,
+    "las": LASPolicy,
+}
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    """Build a policy by name: ``gmax``, ``gmax-jit`` (marginal-goodput ranking, DESIGN.md §5),
+    ``oracle`` (GMAX with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.
+
+    ``params`` are :class:`GMAXParams` fields for the GMAX family, and ``best_effort_deadline``,
+    ``delta_steps``, ``default_ttft``, ``default_tbt`` for the baselines. Raises ``ValueError``
+    naming the valid names/parameters for an unknown name or parameter.
+    """
+    key = name.strip().lower()
+    if key in ("gmax", "gmax-jit", "oracle"):
+        if key == "gmax-jit":
+            params.setdefault("jit", True)
+        if key == "oracle":
+            params.setdefault("use_true_len", True)
+        return GMAXPolicy(name=key, **params)
+    cls = _BASELINES.get(key)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(
+            f"invalid parameter for policy {key!r} ({exc}); valid: best_effort_deadline, delta_steps, "
+            "default_ttft, default_tbt, full_priorities"
+        ) from None
+
+
+__all__ = [
+    "POLICY_NAMES",
+    "CutoffAdapter",
+    "Decision",
+    "EDFPolicy",
+    "FCFSPolicy",
+    "GMAXParams",
+    "GMAXPolicy",
+    "Kind",
+    "LASPolicy",
+    "OrderPolicy",
+    "Policy",
+    "RequestView",
+    "SJFPolicy",
+    "SarathiPolicy",
+    "SchedContext",
+    "SchedulingInputError",
+    "best_replica",
+    "dummy_copies",
+    "estimate",
+    "make_policy",
+    "ontime_tokens",
+    "select_window",
+]

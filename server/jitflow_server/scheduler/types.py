@@ -1,0 +1,125 @@
+"""Plain data types shared by every scheduling policy (no vLLM import anywhere in ``scheduler/``).
+
+The same policy objects decide inside the vLLM scheduler plug-in (``engine/``) and in the
+simulator: both build a list of :class:`RequestView` snapshots plus one :class:`SchedContext`
+per frame and apply the returned :class:`Decision`.
+
+All times are seconds on one monotone clock shared by ``RequestView`` and ``SchedContext.now``;
+all lengths are tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+
+class Kind(str, Enum):
+    """SLO class of one LLM request (DESIGN.md §3, JITServe §3)."""
+
+    LATENCY = "latency"  # TTFT + TBT timeline; goodput = on-time output tokens
+    DEADLINE = "deadline"  # end-to-end deadline; goodput = input + output tokens if met
+    COMPOUND = "compound"  # one call of a compound task (stage of a DAG) with a task deadline
+    BEST_EFFORT = "best_effort"  # no SLO; gets a default completion deadline (JITServe §4.2)
+
+
+@dataclass(slots=True)
+class RequestView:
+    """Snapshot of one LLM request at ``SchedContext.now``.
+
+    Lengths are tokens, times are seconds on the clock of ``SchedContext.now``.
+    ``len_bound`` is the analyzer's upper bound on the TOTAL output length (JITServe §4.1);
+    the remaining length is ``max(len_bound - generated, 1)``.
+    For ``Kind.COMPOUND`` requests ``deadline`` is the task deadline and ``sub_deadline`` the
+    stage's sub-deadline ``T0 + φ(s)·D`` from the analyzer; calls with the same
+    ``(task_id, stage_index)`` form one *stage group* that shares a priority.
+    ``task_rem_gen_time`` is the estimated generation time (slot-seconds, i.e. summed over the
+    calls) of the task's stages after this one; ``attained_service`` is the number of tokens the
+    request's program/task has already received (engine-tracked, used by LAS).
+    ``true_len`` is only read by the ``oracle`` policy. ``kv_tokens`` is read only when ``running``
+    (a waiting request holds no KV; a paused one stays ``running``). Fields other than
+    ``generated``, ``len_bound``, ``running``, ``kv_tokens``, ``sub_deadline``, ``task_tokens_est``,
+    ``task_rem_gen_time`` and ``attained_service`` are read once per ``req_id`` and cached (call
+    ``policy.invalidate(req_id)`` after changing one of them, e.g. a kind transition).
+    """
+
+    req_id: str
+    kind: Kind
+    arrival: float
+    input_len: int
+    generated: int
+    len_bound: int
+    running: bool
+    kv_tokens: int = 0
+    ttft: float | None = None
+    tbt: float | None = None
+    deadline: float | None = None
+    sub_deadline: float | None = None
+    task_id: str | None = None
+    stage_index: int | None = None
+    task_tokens_est: int | None = None
+    task_rem_gen_time: float = 0.0
+    attained_service: float = 0.0
+    true_len: int | None = None
+    max_tokens: int | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class SchedContext:
+    """Engine state a policy needs for one frame.
+
+    ``batch_size`` is B (max requests per batch). ``token_time`` is the measured seconds per decode
+    step per request at the current batch (``v_token``, from the SLO tracker); ``prefill_rate`` the
+    measured prefill tokens per second; ``swap_rate`` the KV swap bandwidth in tokens/s (``None``:
+    preemption recomputes, as vLLM v1 on CPU); ``kv_capacity_tokens`` the KV cache size in tokens
+    (``None``: unknown, the engine manages memory).
+    """
+
+    now: float
+    batch_size: int
+    token_time: float
+    prefill_rate: float
+    swap_rate: float | None = None
+    kv_capacity_tokens: int | None = None
+    replica: int = 0
+
+
+@dataclass(slots=True)
+class Decision:
+    """Output of one scheduling frame.
+
+    ``batch``: req_ids to run this frame in the order the engine should run/admit them
+    (``len(batch) <= batch_size``). ``preempt``: running req_ids whose KV must be freed
+    (never in ``batch``). Running requests in neither list are *paused* (keep KV, not run this
+    frame); waiting requests in ``batch`` are admitted. ``priorities`` maps every req_id the policy
+    scored to its priority (for logging/inspection; larger = more urgent for every policy).
+    """
+
+    batch: list[str]
+    preempt: list[str]
+    priorities: dict[str, float]
+    frame_id: int = 0
+    info: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Interface every scheduling policy implements (GMAX and the baselines)."""
+
+    name: str
+
+    def schedule(self, views: Sequence[RequestView], ctx: SchedContext) -> Decision:
+        """Choose the batch (≤ ``ctx.batch_size`` ids) and the preemptions for one frame."""
+        ...
+
+    def on_finished(self, req_id: str, goodput: float, now: float) -> None:
+        """Feed back the measured goodput (tokens) of a finished request (drives cutoff-p adaptation)."""
+        ...
+
+    def needs_recompute(self, step: int, arrivals_or_finishes: bool) -> bool:
+        """True when a new frame must be computed (every Δ decode steps, or on arrivals/finishes)."""
+        ...

@@ -1,0 +1,1 @@
+"""jitflow_server.store."""

@@ -1,0 +1,119 @@
+"""φ(s) accumulated shares, the token time model, sub-deadlines and their fallbacks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from jitflow_server.analyzer.matcher import Matcher
+from jitflow_server.analyzer.patterns import CallNode, PatternGraph
+from jitflow_server.analyzer.subdeadline import (
+    TokenTimeModel,
+    remaining_time,
+    share_formulations,
+    stage_share,
+    stage_shares,
+    stage_times,
+    sub_deadline,
+)
+
+
+def random_graph(rng: np.random.Generator, n_stages: int) -> PatternGraph:
+    stages = [[(int(rng.integers(1, 5000)), int(rng.integers(0, 1024))) for _ in range(int(rng.integers(1, 4)))]
+              for _ in range(n_stages)]
+    return PatternGraph.from_stage_lengths("app", stages)
+
+
+def test_token_time_model_gives_parallel_max_and_sequential_sum():
+    tm = TokenTimeModel(prefill_s_per_token=0.001, decode_s_per_token=0.01)
+    g = PatternGraph.from_stage_lengths("app", [[(100, 10)], [(200, 20), (1000, 5)], [(50, 50)]])
+    t = stage_times(g, tm)
+    assert t[0] == pytest.approx(0.1 + 0.1)
+    assert t[1] == pytest.approx(max(0.2 + 0.2, 1.0 + 0.05))  # parallel calls: the slowest
+    assert t[2] == pytest.approx(0.05 + 0.5)
+
+
+def test_recorded_times_take_precedence_over_the_token_model():
+    calls = [
+        CallNode("a", "llm", "m", 100, 10, start=0.0, end=2.0, stage=0),
+        CallNode("b", "llm", "m", 100, 10, duration=3.0, parents=["a"], stage=1),
+        CallNode("c", "tool", "t", duration=4.0, parents=["b"], stage=1),  # chained inside the stage
+    ]
+    g = PatternGraph.from_calls("app", calls)
+    assert list(stage_times(g, TokenTimeModel())) == pytest.approx([2.0, 7.0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_phi_is_monotone_and_reaches_one_at_the_last_stage(seed):
+    rng = np.random.default_rng(seed)
+    g = random_graph(rng, int(rng.integers(1, 9)))
+    phi = stage_shares(g)
+    assert len(phi) == g.n_stages
+    assert all(b >= a for a, b in zip(phi, phi[1:], strict=False))
+    assert phi[-1] == 1.0
+    assert all(0.0 <= x <= 1.0 for x in phi)
+    t = stage_times(g)
+    assert phi[0] == pytest.approx(t[0] / t.sum())
+
+
+def test_alternative_formulations_match_their_definitions():
+    g = PatternGraph.from_stage_lengths("app", [[(0, 10)], [(0, 30)], [(0, 60)]])
+    f = share_formulations(g, TokenTimeModel(0.0, 1.0))
+    assert list(f["accumulated"]) == pytest.approx([0.1, 0.4, 1.0])
+    assert list(f["stage_over_total"]) == pytest.approx([0.1, 0.3, 0.6])
+    assert list(f["stage_over_remaining"]) == pytest.approx([0.1, 30 / 90, 1.0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sub_deadlines_are_absolute_times_inside_the_task_window(seed):
+    rng = np.random.default_rng(100 + seed)
+    hist = [random_graph(rng, 5) for _ in range(20)]
+    m = Matcher.from_graphs(hist).match(hist[3].prefix(2, open_next=True))
+    assert m is not None
+    t0, d = 1.7e9 + float(rng.uniform(0, 1e4)), float(rng.uniform(1, 300))
+    prev = t0
+    for s in range(8):  # beyond the matched graph's length too
+        dl = sub_deadline(m, s, t0, d)
+        assert t0 <= dl <= t0 + d
+        assert dl >= prev
+        prev = dl
+    assert sub_deadline(m, 4, t0, d) == pytest.approx(t0 + d)
+    assert sub_deadline(m, 1, t0, d) == pytest.approx(t0 + m.shares()[1] * d)
+
+
+def test_fallbacks_without_history():
+    assert sub_deadline(None, 0, 10.0, 40.0, expected_stages=4) == pytest.approx(20.0)
+    assert sub_deadline(None, 2, 10.0, 40.0, expected_stages=4) == pytest.approx(40.0)
+    assert sub_deadline(None, 9, 10.0, 40.0, expected_stages=4) == pytest.approx(50.0)
+    assert sub_deadline(None, 0, 10.0, 40.0) == pytest.approx(50.0)  # no depth estimate: no split
+    g = PatternGraph.from_stage_lengths("app", [[(0, 0)], [(0, 0)]])
+    assert stage_share(g, 0, time_model=TokenTimeModel(0.0, 0.0)) == pytest.approx(0.5)  # zero-time graph
+
+
+def test_invalid_arguments_raise():
+    g = PatternGraph.from_stage_lengths("app", [[(1, 1)]])
+    with pytest.raises(ValueError):
+        sub_deadline(g, 0, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        sub_deadline(g, -1, 0.0, 1.0)
+    with pytest.raises(ValueError):
+        sub_deadline(g, 0, math.nan, 1.0)
+    with pytest.raises(ValueError):
+        stage_share(None, 0, expected_stages=0)
+    with pytest.raises(TypeError):
+        stage_share("graph", 0)
+    with pytest.raises(ValueError):
+        TokenTimeModel(-1.0, 1.0)
+    with pytest.raises(ValueError):
+        TokenTimeModel.from_name("h100")
+    assert TokenTimeModel.from_name("1,20") == TokenTimeModel(0.001, 0.02)
+    assert TokenTimeModel.from_name("a100-8b") == TokenTimeModel.a100_8b()
+
+
+def test_remaining_time_counts_only_later_stages():
+    tm = TokenTimeModel(0.0, 1.0)
+    g = PatternGraph.from_stage_lengths("app", [[(0, 1)], [(0, 2)], [(0, 3)]])
+    assert remaining_time(g, 0, time_model=tm) == pytest.approx(5.0)
+    assert remaining_time(g, 2, time_model=tm) == 0.0
+    assert remaining_time(None, 0) == 0.0

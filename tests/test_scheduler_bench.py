@@ -1,0 +1,34 @@
+"""``jitflow bench frame`` writes its reports and rejects bad arguments (tiny sizes; not a timing test)."""
+
+from __future__ import annotations
+
+import json
+
+from jitflow_server.cli import app
+from typer.testing import CliRunner
+
+
+def test_bench_frame_writes_json_and_markdown(tmp_path):
+    out = tmp_path / "frame"
+    res = CliRunner().invoke(app, ["bench", "frame", "--requests", "50,120", "--repeats", "3",
+                                   "--policies", "gmax,fcfs", "--batch-size", "8", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "frame.json").read_text())
+    assert set(data["results"]) == {"50", "120"}
+    for per in data["results"].values():
+        assert set(per) == {"gmax", "fcfs"}
+        for r in per.values():
+            assert 0 < r["p50_ms"] <= r["p99_ms"]
+    md = (out / "frame.md").read_text()
+    assert "| 120 | gmax |" in md
+    assert (out / "frame.png").stat().st_size > 0
+
+
+def test_bench_frame_rejects_bad_arguments(tmp_path):
+    runner = CliRunner()
+    bad_sizes = runner.invoke(app, ["bench", "frame", "--requests", "ten", "--out", str(tmp_path)])
+    assert bad_sizes.exit_code == 2
+    bad_policy = runner.invoke(app, ["bench", "frame", "--requests", "10", "--policies", "nope",
+                                     "--out", str(tmp_path)])
+    assert bad_policy.exit_code == 2
+    assert not (tmp_path / "frame.json").exists()

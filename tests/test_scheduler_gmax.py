@@ -1,0 +1,306 @@
+"""GMAX policy core: window selection, infeasibility filter, δ anti-starvation, stage groups, limits."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from jitflow_server.scheduler import (
+    POLICY_NAMES,
+    GMAXPolicy,
+    Kind,
+    RequestView,
+    SchedContext,
+    SchedulingInputError,
+    make_policy,
+    ontime_tokens,
+)
+from jitflow_server.scheduler.synthetic import synthetic_views
+
+FAST_PREFILL = 1e12  # prefill time negligible: priority = (input + output) / (output · v_token)
+
+
+def ctx(now: float = 1.0, b: int = 2, v: float = 0.01, prefill: float = FAST_PREFILL, **kw) -> SchedContext:
+    return SchedContext(now=now, batch_size=b, token_time=v, prefill_rate=prefill, **kw)
+
+
+def dl(rid: str, inp: int, out: int, deadline: float = 1000.0, arrival: float = 0.0, **kw) -> RequestView:
+    return RequestView(rid, Kind.DEADLINE, arrival, inp, 0, out, False, deadline=deadline, **kw)
+
+
+def gmax(**kw) -> GMAXPolicy:
+    kw.setdefault("adapt_p", False)
+    kw.setdefault("starvation_delta", 0.0)
+    return GMAXPolicy(**kw)
+
+
+def brute_force_window(prio: dict[str, float], inputs: dict[str, int], b: int, p: float) -> set[str]:
+    """Independent re-statement of Alg. 1: cutoff, sort by input length, best contiguous window."""
+    ranked = sorted(prio.values(), reverse=True)
+    bp = ranked[b - 1]
+    cand = sorted((r for r in prio if prio[r] >= p * bp), key=lambda r: (inputs[r], -prio[r]))
+    best, best_sum = None, -math.inf
+    for k in range(len(cand) - b + 1):
+        s = sum(prio[r] for r in cand[k : k + b])
+        if s > best_sum:
+            best, best_sum = set(cand[k : k + b]), s
+    return best
+
+
+def window_scenario() -> list[RequestView]:
+    # priority = 100·(1 + in/out):  A 340, B 105, C 350, D 300 ; input lengths 12, 20, 1000, 1010
+    return [dl("A", 12, 5), dl("B", 20, 400), dl("C", 1000, 400), dl("D", 1010, 505)]
+
+
+def test_best_summed_priority_window_wins_over_greedy_top_b():
+    views = window_scenario()
+    d = gmax(p=0.3).schedule(views, ctx(b=2))
+    pr = d.priorities
+    # the two individually best requests are C and A, but they are far apart in input length
+    assert sorted(pr, key=pr.get, reverse=True)[:2] == ["C", "A"]
+    # windows over the input-sorted list: (A,B) 445, (B,C) 455, (C,D) 650 -> (C,D)
+    assert set(d.batch) == {"C", "D"}
+    assert set(d.batch) == brute_force_window(pr, {v.req_id: v.input_len for v in views}, 2, 0.3)
+    assert d.batch == sorted(d.batch, key=pr.get, reverse=True)
+
+
+def test_cutoff_one_keeps_only_top_b_candidates():
+    d = gmax(p=1.0).schedule(window_scenario(), ctx(b=2))
+    assert set(d.batch) == {"C", "A"}
+
+
+def test_window_matches_brute_force_on_random_sets():
+    rng = random.Random(7)
+    for trial in range(30):
+        views = [dl(f"r{i}", rng.randint(1, 4000), rng.randint(1, 800), deadline=1e6) for i in range(rng.randint(3, 40))]
+        b = rng.randint(1, 8)
+        p = rng.choice([0.5, 0.8, 0.95, 1.0])
+        d = gmax(p=p, full_priorities=True).schedule(views, ctx(b=b))
+        if len(views) <= b:
+            assert set(d.batch) == {v.req_id for v in views}
+            continue
+        pr = d.priorities
+        expect = brute_force_window(pr, {v.req_id: v.input_len for v in views}, b, p)
+        assert len(set(d.batch)) == b, trial
+        assert sum(pr[r] for r in d.batch) == pytest.approx(sum(pr[r] for r in expect), rel=1e-12), trial
+
+
+def test_infeasible_deadline_request_is_demoted_not_blocking():
+    # X: 1000 tokens at 0.01 s/token = 10 s of work, deadline in 5 s -> cannot make it even alone
+    x = dl("X", 5000, 1000, deadline=6.0)
+    y = dl("Y", 10, 100, deadline=100.0)
+    pol = gmax()
+    d = pol.schedule([x, y], ctx(now=1.0, b=1))
+    assert d.batch == ["Y"]
+    est = pol.last_estimates
+    assert list(est.feasible) == [False, True]
+    assert est.goodput[0] == 0.0 and est.goodput[1] == 110.0
+    # the same request with a reachable deadline outranks Y: the demotion is what changed the order
+    d2 = gmax().schedule([dl("X", 5000, 1000, deadline=20.0), y], ctx(now=1.0, b=1))
+    assert d2.batch == ["X"]
+    # with spare capacity the demoted request still runs (work conserving)
+    d3 = gmax().schedule([x, y], ctx(now=1.0, b=2))
+    assert set(d3.batch) == {"X", "Y"}
+
+
+def test_infeasible_latency_request_is_demoted():
+    # TBT of 1 ms is faster than the engine's 10 ms per token and TTFT expired: no token can be on time
+    late = RequestView("L", Kind.LATENCY, 0.0, 10, 0, 100, False, ttft=1.0, tbt=0.001)
+    ok = RequestView("M", Kind.LATENCY, 99.9, 10, 0, 100, False, ttft=2.0, tbt=0.1)
+    pol = gmax()
+    d = pol.schedule([late, ok], ctx(now=100.0, b=1))
+    assert d.batch == ["M"]
+    assert list(pol.last_estimates.feasible) == [False, True]
+
+
+def test_latency_goodput_counts_tokens_that_can_catch_up():
+    # arrival 0, TTFT 1 s, TBT 0.1 s, now 2 s: behind the timeline, decoding at 0.05 s/token catches up
+    lat = RequestView("L", Kind.LATENCY, 0.0, 10, 0, 100, False, ttft=1.0, tbt=0.1)
+    pol = gmax()
+    pol.schedule([lat], ctx(now=2.0, b=1, v=0.05))
+    # token j at 2 + 0.05 j, due at 1 + 0.1 (j-1): on time iff j >= 22 -> tokens 22..100 = 79
+    assert pol.last_estimates.goodput[0] == 79.0
+
+
+def test_ontime_tokens_matches_brute_force():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        now, v = rng.uniform(0, 20), rng.uniform(0.005, 0.3)
+        pre, g, L = rng.uniform(0, 2), int(rng.integers(0, 50)), int(rng.integers(1, 200))
+        arr, ttft, tbt = rng.uniform(0, now), rng.uniform(0.1, 5), rng.uniform(0.01, 0.3)
+        brute = sum(
+            1 for j in range(g + 1, g + L + 1) if now + pre + (j - g) * v <= arr + ttft + (j - 1) * tbt + 1e-12
+        )
+        got = ontime_tokens(now, np.array([pre]), v, np.array([float(g)]), np.array([float(L)]),
+                            np.array([arr]), np.array([ttft]), np.array([tbt]))[0]
+        assert got == brute
+
+
+def test_delta_boost_eventually_schedules_starving_best_effort():
+    v, delta_steps, delta = 0.01, 10, 0.05
+    frame_s = v * delta_steps
+    # S: best effort whose default deadline (0.5 s after arrival) has passed -> goodput 0, R = 200, t_gen = 1 s
+    s = RequestView("S", Kind.BEST_EFFORT, 0.0, 100, 0, 100, False)
+
+    def run(starvation_delta: float, frames: int) -> int | None:
+        pol = gmax(delta_steps=delta_steps, starvation_delta=starvation_delta, best_effort_deadline=0.5)
+        for k in range(frames):
+            now = 1.0 + k * frame_s
+            fresh = dl(f"C{k}", 100, 100, deadline=now + 100.0, arrival=now)  # priority 200 every frame
+            if "S" in pol.schedule([s, fresh], ctx(now=now, b=1, v=v)).batch:
+                return k
+        return None
+
+    # S's priority is δ·w·R/t_gen = 0.05 · (now/0.1) · 200 / 1 = 100·now; it passes 200 at now = 2 s
+    k_expected = (2.0 - 1.0) / frame_s
+    k = run(delta, 200)
+    assert k is not None and abs(k - k_expected) <= 1.5
+    assert run(0.0, 200) is None
+
+
+def test_compound_stage_members_share_one_priority_and_finish_with_slowest():
+    def call(rid, out, stage=0, task="T", **kw):
+        return RequestView(rid, Kind.COMPOUND, 0.0, 100, 0, out, False, deadline=30.0, sub_deadline=15.0,
+                           task_id=task, stage_index=stage, **kw)
+
+    members = [call("a", 50), call("b", 300), call("c", 1200)]
+    other_stage = call("d", 50, stage=1)
+    other_task = call("e", 50, task="U")
+    pol = gmax(full_priorities=True)
+    d = pol.schedule([*members, other_stage, other_task], ctx(now=1.0, b=5, v=0.01))
+    pr = d.priorities
+    assert pr["a"] == pr["b"] == pr["c"]
+    assert pr["d"] != pr["a"] and pr["e"] != pr["a"]
+    # aggregate bandwidth: goodput of the group (its tokens) over the summed generation time
+    group_tokens = 3 * 100 + 50 + 300 + 1200
+    assert pr["a"] == pytest.approx(group_tokens / ((50 + 300 + 1200) * 0.01), rel=1e-4)
+    # slowest member (1200 tokens = 12 s) decides feasibility: with 10 s left the whole stage is demoted
+    pol2 = gmax()
+    pol2.schedule(members, ctx(now=20.0, b=3, v=0.01))
+    assert not pol2.last_estimates.feasible.any()
+    pol3 = gmax()
+    pol3.schedule(members[:2], ctx(now=20.0, b=3, v=0.01))  # without the straggler the stage fits
+    assert pol3.last_estimates.feasible.all()
+
+
+def test_compound_sub_deadline_feasibility_mode():
+    calls = [RequestView(f"s{i}", Kind.COMPOUND, 0.0, 10, 0, 100, False, deadline=60.0, sub_deadline=5.0,
+                         task_id="T", stage_index=1) for i in range(2)]
+    lenient, strict = gmax(), gmax(compound_feasibility="stage")
+    lenient.schedule(calls, ctx(now=10.0, b=2))  # sub-deadline passed, task deadline still reachable
+    strict.schedule(calls, ctx(now=10.0, b=2))
+    assert lenient.last_estimates.feasible.all()
+    assert not strict.last_estimates.feasible.any()
+
+
+def test_oracle_uses_true_lengths():
+    a = dl("short", 100, 500, true_len=50)
+    b = dl("long", 100, 500, true_len=500)
+    d_gmax = gmax(full_priorities=True).schedule([a, b], ctx(b=1))
+    assert d_gmax.priorities["short"] == d_gmax.priorities["long"]
+    d_oracle = make_policy("oracle", adapt_p=False, starvation_delta=0.0).schedule([b, a], ctx(b=1))
+    assert d_oracle.batch == ["short"]
+
+
+def test_gmax_jit_prefers_the_request_about_to_miss():
+    # U: low density but only 0.3 s of slack (< one 0.5 s frame); R: high density, plenty of slack
+    u = dl("U", 10, 100, deadline=2.3)  # t_gen 1 s, now 1 -> laxity 0.3 s
+    r = dl("R", 3000, 100, deadline=500.0)
+    assert gmax().schedule([u, r], ctx(now=1.0, b=1)).batch == ["R"]
+    assert make_policy("gmax-jit", adapt_p=False, starvation_delta=0.0).schedule([u, r], ctx(now=1.0, b=1)).batch == ["U"]
+
+
+def test_fairness_blend_prefers_least_attained_when_f_is_one():
+    rich = dl("rich", 3000, 100, attained_service=5000.0)
+    poor = dl("poor", 10, 100, attained_service=10.0)
+    assert gmax().schedule([rich, poor], ctx(b=1)).batch == ["rich"]
+    assert gmax(fairness=1.0).schedule([rich, poor], ctx(b=1)).batch == ["poor"]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_batch_never_exceeds_b_and_decision_is_consistent(name):
+    rng = random.Random(11)
+    for trial in range(6):
+        n, b = rng.randint(0, 400), rng.randint(1, 40)
+        views = synthetic_views(n, batch_size=min(b + 5, n), seed=trial)
+        pol = make_policy(name)
+        for step in range(3):
+            c = SchedContext(now=1000.0 + step, batch_size=b, token_time=0.02, prefill_rate=3000.0,
+                             kv_capacity_tokens=rng.choice([None, 10**6, 5000]))
+            d = pol.schedule(views, c)
+            ids = {v.req_id for v in views}
+            running = {v.req_id for v in views if v.running}
+            assert len(d.batch) == min(n, b)
+            assert len(set(d.batch)) == len(d.batch) and set(d.batch) <= ids
+            assert set(d.preempt) <= running and not set(d.preempt) & set(d.batch)
+            assert set(d.batch) <= set(d.priorities)
+
+
+def test_needs_recompute_frames_of_delta_steps():
+    pol = gmax(delta_steps=50)
+    assert pol.needs_recompute(0, False)
+    assert not pol.needs_recompute(10, False)
+    assert not pol.needs_recompute(49, False)
+    assert pol.needs_recompute(50, False)
+    assert pol.needs_recompute(60, True)  # an arrival starts a new frame
+    assert not pol.needs_recompute(100, False)
+    assert pol.needs_recompute(110, False)
+
+
+def test_bad_input_raises_typed_errors():
+    pol = gmax()
+    with pytest.raises(SchedulingInputError, match="no deadline"):
+        pol.schedule([RequestView("x", Kind.DEADLINE, 0.0, 1, 0, 1, False)], ctx())
+    with pytest.raises(SchedulingInputError, match="duplicate"):
+        pol.schedule([dl("x", 1, 1), dl("x", 1, 1)], ctx())
+    with pytest.raises(SchedulingInputError, match="batch_size"):
+        pol.schedule([dl("y", 1, 1)], ctx(b=0))
+    with pytest.raises(SchedulingInputError, match="generated"):
+        pol.schedule([RequestView("z", Kind.DEADLINE, 0.0, 1, -1, 1, False, deadline=9.0)], ctx())
+    with pytest.raises(SchedulingInputError, match="kind"):
+        pol.schedule([RequestView("k", "urgent", 0.0, 1, 0, 1, False)], ctx())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cutoff p"):
+        GMAXPolicy(p=1.5)
+    with pytest.raises(ValueError, match="unknown GMAX parameter"):
+        GMAXPolicy(bogus=1)
+
+
+def test_snapshot_cache_with_churn_matches_fresh_computation():
+    """The per-id cache (static columns, compaction, group renumbering) must not change any decision."""
+    pool = synthetic_views(3000, batch_size=0, seed=5)
+    cached = gmax(full_priorities=True)
+    k, n = 40, 600
+    for frame in range(40):  # 40·40 = 1600 departures: several compactions of the cache
+        views = pool[frame * k : frame * k + n]
+        c = SchedContext(now=1000.0 + frame, batch_size=16, token_time=0.02, prefill_rate=3000.0)
+        got = cached.schedule(views, c)
+        ref = gmax(full_priorities=True).schedule(views, c)
+        assert got.batch == ref.batch
+        assert got.priorities == pytest.approx(ref.priorities)
+    assert cached._cache._size <= 2 * n + 1024 + k
+
+
+def test_served_times_survive_cache_compaction():
+    from jitflow_server.scheduler.snapshot import SnapshotCache
+
+    cache = SnapshotCache()
+    keep = [dl(f"k{i}", 10, 10) for i in range(5)]
+    snap = cache.build(keep)
+    cache.served[snap.rows] = [1.0, 2.0, 3.0, 4.0, 5.0]
+    for frame in range(30):  # 30·100 transient requests force compactions
+        snap = cache.build(keep + [dl(f"t{frame}_{j}", 10, 10) for j in range(100)])
+    assert cache._size < 30 * 100
+    assert list(cache.served[snap.rows[:5]]) == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_invalidate_rereads_static_fields():
+    pol = gmax()
+    a = dl("a", 10, 100, deadline=1000.0)
+    b = dl("b", 10, 100, deadline=1000.0)
+    pol.schedule([a, b], ctx(b=1))
+    a.deadline = 1.5  # the engine tightens a's SLO: t_gen 1 s no longer fits from now = 1
+    pol.invalidate("a")
+    pol.schedule([a, b], ctx(now=1.0, b=1))
+    assert list(pol.last_estimates.feasible) == [False, True]
