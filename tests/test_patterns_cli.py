@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
+
 from jitflow_server.analyzer.patterns import PatternGraph, read_jsonl
 from jitflow_server.cli import app
-from typer.testing import CliRunner
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEEPRESEARCH = DATA / "deepresearch" / "deepresearch_training.json"

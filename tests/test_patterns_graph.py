@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from jitflow_server.analyzer.patterns import (
     CallNode,
     PatternFormatError,

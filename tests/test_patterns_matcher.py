@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from jitflow_server.analyzer.matcher import KernelParams, Matcher, pack_graphs, pairwise_distances, similarity
 from jitflow_server.analyzer.patterns import CallNode, PatternGraph
 from jitflow_server.store.history import HistoryStore

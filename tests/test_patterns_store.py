@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+
 from jitflow_server.analyzer.matcher import Matcher
 from jitflow_server.analyzer.patterns import PatternGraph
 from jitflow_server.store.history import HistoryStore, HistoryStoreError, default_db_path

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from jitflow_server.analyzer.matcher import Matcher
 from jitflow_server.analyzer.patterns import CallNode, PatternGraph
 from jitflow_server.analyzer.subdeadline import (

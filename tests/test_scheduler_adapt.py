@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from jitflow_server.scheduler import CutoffAdapter, GMAXPolicy, Kind, RequestView, SchedContext
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from jitflow_server.scheduler import POLICY_NAMES, Kind, RequestView, SchedContext, make_policy
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from jitflow_server.cli import app
 from typer.testing import CliRunner
+
+from jitflow_server.cli import app
 
 
 def test_bench_frame_writes_json_and_markdown(tmp_path):

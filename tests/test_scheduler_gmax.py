@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+
 from jitflow_server.scheduler import (
     POLICY_NAMES,
     GMAXPolicy,

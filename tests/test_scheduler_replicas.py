@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from jitflow_server.scheduler import Kind, RequestView, SchedContext, best_replica, dummy_copies
 
 

@@ -10,8 +10,9 @@ import json
 
 import anyio
 import httpx
-import jitflow
 import pytest
+
+import jitflow
 from conftest_sdk import FakeServer, TrackingStream, error, sse, timing
 
 

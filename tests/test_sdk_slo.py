@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
-import jitflow
 import pytest
 from pydantic import ValidationError
+
+import jitflow
 
 
 @pytest.mark.parametrize("bad", [0, -1, -0.5, math.nan, math.inf, -math.inf, True, "2", None, [1]])

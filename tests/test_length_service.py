@@ -1,0 +1,125 @@
+"""Tests of the asynchronous length-bound service (jitflow issue 8 §2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jitflow_server.analyzer.length import LengthPredictor, TokenCounter
+from jitflow_server.analyzer.length_service import LengthService
+
+REGEX = TokenCounter(None)
+
+
+@pytest.fixture(scope="module")
+def predictor() -> LengthPredictor:
+    rng = np.random.default_rng(0)
+    prompts, lengths, outputs = [], [], []
+    for i in range(300):
+        topic = ("short", "long")[i % 2]
+        n = max(1, int((40 if topic == "short" else 300) * np.exp(0.3 * rng.normal())))
+        prompts.append(f"a {topic} question {i}")
+        lengths.append(n)
+        outputs.append(" ".join(["tok"] * n))
+    return LengthPredictor(0.9, n_estimators=20, counter=REGEX, refine_grid=(50, 100)).fit(
+        prompts, lengths, outputs=outputs)
+
+
+def test_submit_returns_without_waiting_for_the_model(predictor: LengthPredictor) -> None:
+    with LengthService(predictor) as svc:
+        gate = threading.Event()
+        orig = predictor.predict_matrix
+
+        def slow(X, *a, **kw):  # the real forest, delayed: the caller must not wait for it
+            gate.wait(5)
+            return orig(X, *a, **kw)
+
+        predictor.predict_matrix = slow  # type: ignore[method-assign]
+        try:
+            t0 = time.perf_counter()
+            svc.submit("r1", "a long question 1", app="chat", max_tokens=2000)
+            elapsed = time.perf_counter() - t0
+            first = svc.latest("r1")
+            assert elapsed < 0.05
+            assert first == 2000  # provisional fallback (no history: max_tokens), available immediately
+            gate.set()
+            assert svc.flush(5)
+        finally:
+            del predictor.predict_matrix
+        b = svc.latest("r1")
+        assert b is not None and b != first and 100 < b < 2000
+
+
+def test_refinement_and_observe(predictor: LengthPredictor, tmp_path) -> None:
+    tel = tmp_path / "tel.jsonl"
+    with LengthService(predictor, telemetry_path=tel) as svc:
+        svc.submit("r", "a short question 3", app="chat", model="m")
+        svc.flush(5)
+        b0 = svc.latest("r")
+        assert b0 is not None and b0 < 200
+        # the request keeps generating beyond its bound: the bound is lifted at once, refined later
+        svc.submit("r", "a short question 3", app="chat", model="m", generated_text=" ".join(["tok"] * 250),
+                   generated_tokens=250)
+        assert svc.latest("r") >= 251
+        svc.flush(5)
+        assert svc.latest("r") >= 251
+        svc.observe("r", 260)
+        assert svc.latest("r") is None
+    rec = json.loads(tel.read_text().splitlines()[0])
+    assert rec["kind"] == "jitflow.length.v1" and rec["output_len"] == 260 and "prompt" not in rec
+    assert "250" in rec["prefix_features"]
+
+
+def test_usable_from_asyncio(predictor: LengthPredictor) -> None:
+    async def main() -> int | None:
+        async with LengthService(predictor) as svc:
+            for i in range(100):
+                svc.submit(f"r{i}", f"a long question {i}", app="x")
+            assert await svc.aflush(10)
+            assert svc.stats["batches"] < 100  # requests were batched
+            return svc.latest("r5")
+
+    b = asyncio.run(main())
+    assert b is not None and b > 150
+
+
+def test_fallback_without_model_and_calibration_moves(predictor: LengthPredictor) -> None:
+    with LengthService(None) as svc:
+        for i in range(40):
+            svc.submit(f"a{i}", "p", app="chat")
+            svc.observe(f"a{i}", 100 + i)
+        svc.submit("new", "p", app="chat", max_tokens=4096)
+        assert 130 <= svc.latest("new") <= 140
+    with LengthService(predictor, calibrate=True, refit_min_new=0) as svc:
+        for i in range(60):  # served model talks 3x longer than the training data
+            svc.submit(f"s{i}", f"a short question {i}", model="new")
+            svc.flush(5)
+            svc.observe(f"s{i}", 150)
+        assert svc.calibrator.theta(None, "new", 0) > 0.5
+
+
+def test_background_refit_swaps_model(predictor: LengthPredictor) -> None:
+    with LengthService(predictor, refit_min_new=30) as svc:
+        old = svc.predictor.version
+        for i in range(30):
+            svc.submit(f"q{i}", f"a short question {i}", model="m")
+            svc.flush(5)
+            svc.observe(f"q{i}", 45)
+        svc._refit_thread.join(60)
+        assert svc.stats["refits"] == 1 and svc.predictor.version != old
+        svc.submit("after", "a short question 1")
+        assert svc.flush(5) and svc.latest("after") is not None
+
+
+def test_bad_model_path_falls_back(tmp_path, caplog) -> None:
+    p = tmp_path / "broken.pkl"
+    p.write_text("garbage")
+    with LengthService(p) as svc:
+        assert svc.predictor is None
+        svc.submit("r", "hello", max_tokens=77)
+        assert svc.latest("r") == 77

@@ -1,0 +1,113 @@
+"""Scheduling behaviour on the real vLLM engine with the jitflow plug-in (tiny model).
+
+Scenarios are built so the outcome is certain on any machine speed: the engine is
+saturated (B=2) by two best-effort requests of 2,500 tokens each, which take many
+seconds even on a fast CPU, while the probe request needs ~40 decode steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import wait_idle
+
+import jitflow
+
+pytestmark = pytest.mark.engine
+
+MSG = [{"role": "user", "content": "Write a long story about schedules."}]
+
+
+class Hog:
+    """A long best-effort streaming request running in a thread until stopped."""
+
+    def __init__(self, url: str, max_tokens: int = 2500) -> None:
+        self.url = url
+        self.max_tokens = max_tokens
+        self.started = threading.Event()
+        self.stop = threading.Event()
+        self.tokens = 0
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        body = {"model": "tiny", "messages": MSG, "max_tokens": self.max_tokens, "stream": True,
+                "ignore_eos": True, "slo": {"kind": "best_effort"}}
+        with httpx.Client(timeout=120) as c, c.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.tokens += 1
+                    if self.tokens >= 3:
+                        self.started.set()
+                if self.stop.is_set():
+                    break
+
+    def close(self) -> None:
+        self.stop.set()
+        self.t.join(timeout=60)
+
+
+def _probe(url: str, deadline: float, max_tokens: int = 40) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "quick"}], "max_tokens": max_tokens,
+        "ignore_eos": True, "slo": {"kind": "deadline", "deadline": deadline, "waiting_time": 60}})
+    assert r.status_code == 200, r.text
+    return r.json()["jitflow"]
+
+
+@pytest.mark.parametrize("name", ["gmax", "fcfs"])
+def test_tight_deadline_behind_long_best_effort(server_url, policy, name):
+    policy(name, batch_size=2)
+    hogs = [Hog(server_url), Hog(server_url)]
+    try:
+        for h in hogs:
+            assert h.started.wait(60), "best-effort request did not start"
+        t0 = time.time()
+        timing = _probe(server_url, deadline=3.0)
+        elapsed = time.time() - t0
+        hog_tokens = [h.tokens for h in hogs]
+    finally:
+        for h in hogs:
+            h.close()
+    assert timing["output_tokens"] == 40
+    if name == "gmax":
+        # GMAX runs the deadline request ahead of (pausing) a best-effort one.
+        assert timing["slo_met"] is True, (timing, elapsed)
+    else:
+        # vLLM's FCFS keeps both long requests running; the probe waits for one to finish.
+        assert timing["slo_met"] is False, (timing, elapsed)
+        assert min(hog_tokens) > 1000
+    st = wait_idle(server_url)
+    assert st["unfinished"] == 0
+
+
+def test_request_not_admitted_within_waiting_time_is_rejected_and_freed(server_url, policy):
+    policy("fcfs", batch_size=1)
+    hog = Hog(server_url)
+    try:
+        assert hog.started.wait(60)
+        before = httpx.get(server_url + "/v1/jitflow/engine").json()["rejected"]
+        t0 = time.time()
+        r = httpx.post(server_url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": MSG, "max_tokens": 10,
+            "slo": {"kind": "deadline", "deadline": 30, "waiting_time": 0.5}})
+        waited = time.time() - t0
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["type"] == "admission_rejected"
+        assert r.json()["error"]["param"] == "slo.waiting_time"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert 0.5 <= waited < 20
+        st = httpx.get(server_url + "/v1/jitflow/engine").json()
+        assert st["rejected"] == before + 1
+        assert st["unfinished"] == 1  # only the long request is left in the engine
+        with jitflow.Client(base_url=server_url) as client, pytest.raises(jitflow.AdmissionRejectedError) as ei:
+            client.chat.completions.create(model="tiny", messages=MSG, max_tokens=10,
+                                           slo=jitflow.Deadline(30, waiting_time=0.3))
+        assert ei.value.retry_after is not None
+    finally:
+        hog.close()
+    st = wait_idle(server_url)
+    assert st["unfinished"] == 0 and st["frontend_unfinished"] == 0

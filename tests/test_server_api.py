@@ -1,0 +1,180 @@
+"""The HTTP API against the real server (real vLLM engine on the tiny demo model)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import anyio
+import httpx
+import openai
+import pytest
+from conftest import wait_idle
+
+import jitflow
+
+pytestmark = pytest.mark.engine
+
+MSG = [{"role": "user", "content": "Explain the schedule in three steps."}]
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", content=json.dumps(body, allow_nan=True),
+                      headers={"content-type": "application/json"}, timeout=120)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_sdk_streamed_chat_returns_requested_tokens_with_monotone_times(server_url, backend):
+    async def main():
+        async with jitflow.AsyncClient(base_url=server_url) as client:
+            t_sent = time.time()
+            stream = await client.chat.completions.create(
+                model="tiny", messages=MSG, stream=True, max_tokens=24,
+                slo=jitflow.Latency(ttft=5, tbt=1.0), extra_body={"ignore_eos": True})
+            arrivals, text = [], []
+            async with stream:
+                async for chunk in stream:
+                    for c in chunk.choices:
+                        if c.delta.content:
+                            arrivals.append(time.time())
+                            text.append(c.delta.content)
+            return t_sent, arrivals, "".join(text), stream.timing, stream.usage
+
+    t_sent, arrivals, text, timing, usage = anyio.run(main, backend=backend)
+    assert usage.completion_tokens == 24
+    assert timing.output_tokens == 24
+    assert text
+    assert arrivals == sorted(arrivals)
+    assert t_sent - 1 <= timing.arrival <= timing.first_token_time <= timing.last_token_time
+    assert math.isclose(timing.ttft, timing.first_token_time - timing.arrival, abs_tol=1e-6)
+    assert math.isclose(timing.e2el, timing.last_token_time - timing.arrival, abs_tol=1e-6)
+    assert timing.kind == "latency"
+    assert timing.slo_met is True  # 24 tokens with a 1 s TBT budget on an idle server
+
+
+def test_official_openai_client_stream_and_plain(server_url):
+    client = openai.OpenAI(base_url=server_url + "/v1", api_key="unused")
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=8,
+                                       extra_body={"slo": {"kind": "deadline", "deadline": 30},
+                                                   "ignore_eos": True})
+    assert r.usage.completion_tokens == 8
+    assert r.choices[0].finish_reason == "length"
+    extra = r.model_extra["jitflow"]
+    assert extra["kind"] == "deadline" and extra["slo_met"] is True
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=6, stream=True,
+        extra_body={"slo": {"kind": "latency", "ttft": 5, "tbt": 1}, "ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 6
+    assert final.model_extra["jitflow"]["output_tokens"] == 6
+    c = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
+                                  extra_body={"ignore_eos": True})
+    assert c.usage.completion_tokens == 5 and isinstance(c.choices[0].text, str)
+
+
+@pytest.mark.parametrize(
+    ("slo", "param"),
+    [
+        ({"kind": "deadline", "deadline": -1}, "slo.deadline"),
+        ({"kind": "deadline", "deadline": float("nan")}, "slo.deadline"),
+        ({"kind": "deadline"}, "slo.deadline"),
+        ({"kind": "latency", "ttft": 2}, "slo.tbt"),
+        ({"kind": "latency", "tbt": 0.1}, "slo.ttft"),
+        ({"kind": "latency", "ttft": 0, "tbt": 0.1}, "slo.ttft"),
+        ({"kind": "latency", "ttft": "soon", "tbt": 0.1}, "slo.ttft"),
+        ({"kind": "deadline", "deadline": float("inf")}, "slo.deadline"),
+        ({"kind": "best_effort", "waiting_time": -3}, "slo.waiting_time"),
+        ({"kind": "urgent"}, "slo.kind"),
+        ({"kind": "latency", "ttft": 1, "tbt": 1, "colour": "red"}, "slo.colour"),
+    ],
+)
+def test_malformed_slo_is_400_naming_the_field(server_url, slo, param):
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "slo": slo})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param
+    assert param.split(".")[-1] in err["message"]
+
+
+def test_other_bad_input(server_url):
+    r = _post(server_url, {"model": "nope", "messages": MSG})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = _post(server_url, {"model": "tiny", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 100000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(server_url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500
+
+
+def test_sdk_raises_typed_errors(server_url):
+    with jitflow.Client(base_url=server_url) as client:
+        with pytest.raises(jitflow.NotFoundError):
+            client.chat.completions.create(model="nope", messages=MSG)
+        with pytest.raises(jitflow.BadRequestError) as ei:
+            client.chat.completions.create(model="tiny", messages=MSG, max_tokens=100000)
+        assert ei.value.status_code == 400
+    with jitflow.Client(base_url="http://127.0.0.1:1") as dead:
+        with pytest.raises(jitflow.APIConnectionError):
+            dead.chat.completions.create(model="tiny", messages=MSG)
+
+
+def test_disconnect_mid_stream_aborts_the_engine_request(server_url):
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server_url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            n = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                if n >= 3:
+                    break
+        # the response is closed here, mid-stream
+        busy = c.get(server_url + "/v1/jitflow/engine").json()
+    st = wait_idle(server_url, timeout=30)
+    assert st["unfinished"] == 0 and st["frontend_unfinished"] == 0, (busy, st)
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, val = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(val)
+    return total
+
+
+def test_metrics_count_what_was_served(server_url):
+    before = httpx.get(server_url + "/metrics").text
+    n_before = _metric(before, "jitflow_requests_total", kind="deadline")
+    tok_before = _metric(before, "jitflow_output_tokens_total", kind="deadline")
+    for _ in range(3):
+        r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 5, "ignore_eos": True,
+                               "slo": {"kind": "deadline", "deadline": 60}})
+        assert r.status_code == 200
+    after = httpx.get(server_url + "/metrics").text
+    assert _metric(after, "jitflow_requests_total", kind="deadline") == n_before + 3
+    assert _metric(after, "jitflow_requests_total", kind="deadline", outcome="slo_met") >= 3
+    assert _metric(after, "jitflow_output_tokens_total", kind="deadline") == tok_before + 15
+    assert _metric(after, "jitflow_ttft_seconds_count", kind="deadline") >= 3
+    assert "jitflow_queue_length" in after
+
+
+def test_health_and_engine_stats(server_url):
+    assert httpx.get(server_url + "/health").json()["status"] == "ok"
+    st = httpx.get(server_url + "/v1/jitflow/engine").json()
+    assert st["policy"] in ("gmax", "fcfs", "edf", "sjf", "las")
+    r = httpx.post(server_url + "/v1/jitflow/policy", json={"name": "nope"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    r = httpx.post(server_url + "/v1/jitflow/policy", json={"name": "gmax", "params": {"bogus": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "params"
