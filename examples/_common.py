@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
+
 import jitflow
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "TaskReport",
     "chat_json",
     "chat_text",
+    "jitflow_error",
     "task_report",
     "fetch_server_view",
     "print_task_report",
@@ -139,6 +141,19 @@ async def chat_text(st: jitflow.Stage, messages: list[dict[str, Any]], *, max_to
         lambda: st.chat(messages, max_tokens=max_tokens, temperature=temperature)
     )
     return r.content or ""
+
+
+def jitflow_error(exc: BaseException) -> BaseException | None:
+    """The jitflow error behind ``exc`` (unwrapping anyio exception groups), or None."""
+    if isinstance(exc, jitflow.JitflowError):
+        return exc
+    subs = getattr(exc, "exceptions", None)
+    if subs:
+        found = [jitflow_error(e) for e in subs]
+        if all(f is not None for f in found):
+            deadline = [f for f in found if isinstance(f, jitflow.DeadlineExceededError)]
+            return deadline[0] if deadline else found[0]
+    return None
 
 
 # ---------------------------------------------------------------------- task reports
@@ -288,14 +303,12 @@ def print_task_report(report: TaskReport, *, console: Any = None, title: str | N
 
     console = console or Console()
     t = Table(title=title or f"{report.app} task {report.task_id[:12]} (deadline {report.deadline:.1f}s)")
-    for col in ("#", "stage", "start", "end", "duration", "LLM", "tools", "in tok", "out tok",
-                "sub-deadline", "met"):
-        t.add_column(col, justify="right" if col not in ("stage",) else "left")
+    for col in ("#", "stage", "start", "end", "LLM+tool", "tok in/out", "sub-dl", "met"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
     for s in report.stages:
-        dur = None if s.end is None else s.end - s.start
         met = s.met_sub_deadline
-        t.add_row(str(s.index), s.name, _fmt(s.start), _fmt(s.end), _fmt(dur), str(s.llm_calls),
-                  str(s.tool_calls), str(s.input_tokens), str(s.output_tokens), _fmt(s.sub_deadline),
+        t.add_row(str(s.index), s.name, _fmt(s.start), _fmt(s.end), f"{s.llm_calls}+{s.tool_calls}",
+                  f"{s.input_tokens}/{s.output_tokens}", _fmt(s.sub_deadline),
                   "-" if met is None else ("yes" if met else "no"))
     console.print(t)
     colour = {"succeeded": "green", "deadline_missed": "yellow"}.get(report.outcome, "red")

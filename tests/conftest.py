@@ -47,6 +47,8 @@ def server_proc(tmp_path_factory):
     log = tmp / "server.log"
     env = dict(os.environ)
     env["JITFLOW_HISTORY_DB"] = str(tmp / "history.sqlite")
+    env["JITFLOW_OTEL_EXPORTER"] = f"file:{tmp / 'spans.jsonl'}"
+    env["JITFLOW_TELEMETRY"] = str(tmp / "telemetry.jsonl")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     exe = Path(sys.executable).with_name("jitflow")
     cmd = [str(exe), "serve", "--model", "tiny", "--port", str(port), "--policy", "gmax",
@@ -75,6 +77,13 @@ def server_proc(tmp_path_factory):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def server_files(server_proc) -> dict[str, Path]:
+    """Files the session server writes: history DB, exported spans (JSON lines), call telemetry."""
+    tmp = server_proc[2].parent
+    return {"db": tmp / "history.sqlite", "spans": tmp / "spans.jsonl", "telemetry": tmp / "telemetry.jsonl"}
 
 
 @pytest.fixture(scope="session")

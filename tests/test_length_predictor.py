@@ -42,7 +42,7 @@ def synth(n: int, seed: int) -> tuple[list[str], list[int], list[str]]:
 @pytest.fixture(scope="module")
 def fitted() -> LengthPredictor:
     prompts, lengths, outputs = synth(600, 0)
-    return LengthPredictor(0.9, n_estimators=30, counter=REGEX, refine_grid=(50, 100, 200)).fit(
+    return LengthPredictor(0.9, n_estimators=30, counter=REGEX, refine_grid=(50, 100, 200), keep_forest=True).fit(
         prompts, lengths, outputs=outputs)
 
 

@@ -12,9 +12,9 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_idle
 
 import jitflow
+from conftest import wait_idle
 
 pytestmark = pytest.mark.engine
 

@@ -10,9 +10,9 @@ import anyio
 import httpx
 import openai
 import pytest
-from conftest import wait_idle
 
 import jitflow
+from conftest import wait_idle
 
 pytestmark = pytest.mark.engine
 

@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import anyio
+
 import jitflow
 
 __all__ = ["Document", "SearchHit", "SearchIndex", "CORPUS_PATH", "default_index", "web_search", "tokenize"]

@@ -292,6 +292,14 @@ class StageScope:
         if otel_token is not None:
             otel_context.detach(otel_token)
         st.task._close_stage(st, exc)
+        if exc is None and any(c.type == "tool" for c in st.calls):
+            # Tool nodes travel only as telemetry: give them a bounded chance to reach the server
+            # before the next stage's calls are matched against history (never raises).
+            await st.task._telemetry.drain(STAGE_DRAIN_TIMEOUT)
+
+
+#: Seconds a stage exit waits for its tool-node telemetry to be delivered (bounded; see ``drain``).
+STAGE_DRAIN_TIMEOUT = 0.25
 
 
 def stage(name: str) -> StageScope:

@@ -222,6 +222,16 @@ class TaskTelemetry:
             return "fatal"
         return "retry"
 
+    async def drain(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the buffered records to be delivered, without
+        closing the buffer (used at stage boundaries so the server sees a stage's tool nodes
+        before the next stage's calls). Never raises; undelivered records stay queued."""
+        with anyio.move_on_after(timeout):
+            if self._wake is not None:
+                self._wake.set()
+            while self._queue or self._inflight:
+                await anyio.sleep(0.002)
+
     async def flush(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds, shielded from outer cancellation) until the buffer is
         delivered; then refuse new records and count whatever is left as dropped."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import typer
 
+from jitflow_server import demo as demo_cli
 from jitflow_server.analyzer import cli as analyzer_cli
 from jitflow_server.bench import cli as bench_cli
 from jitflow_server.engine import cli as engine_cli
@@ -33,6 +34,7 @@ app.add_typer(bench_app, name="bench")
 engine_cli.register(app, model_app)
 analyzer_cli.register(patterns_app, analyzer_app)
 bench_cli.register(bench_app)
+demo_cli.register(app)
 
 
 def main() -> None:

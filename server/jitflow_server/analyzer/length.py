@@ -630,14 +630,17 @@ class LengthPredictor:
     conformal correction is learned at training time: ``cv_folds`` forests on instruction-disjoint
     folds give honest bounds for the training rows, and per k-bucket the factor ``exp(θ_b)`` that
     makes their coverage exactly ``q`` is stored and applied (QRF leaf pooling alone under-covers by
-    2-4 points here). Defaults were chosen by measurement (docs/analyzer.md, "Length upper bound").
+    1-2 points here). ``keep_forest`` keeps the ``quantile-forest`` object after fitting (its padded
+    leaf arrays take gigabytes for ~10^4 rows); by default only the :class:`CompiledForest` (tens of
+    MB, what is saved and served) is kept. Defaults were chosen by measurement (docs/analyzer.md,
+    "Length upper bound").
     Raises ``ValueError`` for bad arguments.
     """
 
     def __init__(self, quantile: float = DEFAULT_QUANTILE, *, n_estimators: int = 100, max_depth: int | None = 30,
-                 min_samples_leaf: int = 5, max_samples_leaf: int | None = None, max_features: float = 0.33,
+                 min_samples_leaf: int = 5, max_samples_leaf: int | None = 64, max_features: float = 0.33,
                  refine_grid: Sequence[int] = DEFAULT_REFINE_GRID, log_target: bool = True, cv_folds: int = 2,
-                 random_state: int = 0, counter: TokenCounter | None = None) -> None:
+                 random_state: int = 0, counter: TokenCounter | None = None, keep_forest: bool = False) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {quantile}")
         if n_estimators < 1:
@@ -648,6 +651,7 @@ class LengthPredictor:
         self.refine_grid = tuple(int(k) for k in refine_grid)
         self.log_target = bool(log_target)
         self.cv_folds = int(cv_folds)
+        self.keep_forest = bool(keep_forest)
         self.random_state = random_state
         self._counter = counter
         self._compiled: CompiledForest | None = None
@@ -674,7 +678,7 @@ class LengthPredictor:
     @property
     def fitted(self) -> bool:
         """True once :meth:`fit` (or :meth:`load`) produced a forest."""
-        return self.forest is not None
+        return self._compiled is not None
 
     def _assemble(self, P: np.ndarray, G: np.ndarray, contexts: Sequence[Mapping[str, Any] | None]) -> np.ndarray:
         return np.hstack([P, G, self.context_encoder.transform(contexts)]).astype(np.float32)
@@ -761,8 +765,8 @@ class LengthPredictor:
                     self.base_theta[b] = float(np.quantile(score, self.quantile, method="higher"))
         forest = self._make_forest()
         forest.fit(X, target)
-        self.forest = forest
         self._compiled = CompiledForest(forest)
+        self.forest = forest if self.keep_forest else None
         self.train_X, self.train_y = X, y
         self.train_groups = list(groups) if groups is not None else None
         self.tokenizer_name = self.counter.name
@@ -777,7 +781,7 @@ class LengthPredictor:
         """
         new = LengthPredictor(self.quantile, refine_grid=self.refine_grid, log_target=self.log_target,
                               cv_folds=self.cv_folds, random_state=self.random_state, counter=self._counter,
-                              **self.params)
+                              keep_forest=self.keep_forest, **self.params)
         old_vocab = self.context_encoder.vocab
         ctxs = [e.context for e in examples]
         new.context_encoder = ContextEncoder().fit(ctxs)
@@ -845,10 +849,8 @@ class LengthPredictor:
         (``conformal=True`` and ``quantile`` equal to the trained one). Raises
         :class:`LengthModelError` if the predictor is not fitted.
         """
-        if self.forest is None:
-            raise LengthModelError("length predictor is not fitted")
         if self._compiled is None:
-            self._compiled = CompiledForest(self.forest)
+            raise LengthModelError("length predictor is not fitted")
         q = self.quantile if quantile is None else float(quantile)
         pred = self._compiled.predict(np.asarray(X, dtype=np.float32), q)
         pred = np.expm1(pred) if self.log_target else pred
@@ -877,7 +879,7 @@ class LengthPredictor:
 
         Raises :class:`LengthModelError` if not fitted. Only load files you produced: the format is pickle.
         """
-        if self.forest is None:
+        if self._compiled is None:
             raise LengthModelError("cannot save an unfitted length predictor")
         import quantile_forest
         import sklearn
@@ -899,7 +901,7 @@ class LengthPredictor:
             "random_state": self.random_state,
             "tokenizer": self.tokenizer_name,
             "context_vocab": self.context_encoder.vocab,
-            "forest": self.forest,
+            "compiled": self._compiled,
             "n_train_examples": self.n_train_examples,
             "train_X": self.train_X,
             "train_y": self.train_y,
@@ -940,7 +942,7 @@ class LengthPredictor:
                     **payload["params"])
             p.base_theta = {int(k): float(v) for k, v in payload["base_theta"].items()}
             p.train_groups = payload.get("train_groups")
-            p.forest = payload["forest"]
+            p._compiled = payload["compiled"]
             p.version = payload["version"]
             p.tokenizer_name = payload["tokenizer"]
             p.context_encoder.vocab = payload["context_vocab"]
@@ -949,10 +951,8 @@ class LengthPredictor:
             p.meta = payload.get("meta", {})
         except (KeyError, TypeError, ValueError) as exc:
             raise LengthModelError(f"corrupt length model {path}: missing/invalid field {exc}") from exc
-        try:
-            p._compiled = CompiledForest(p.forest)
-        except Exception as exc:
-            raise LengthModelError(f"corrupt length model {path}: unusable forest ({exc})") from exc
+        if not isinstance(p._compiled, CompiledForest):
+            raise LengthModelError(f"corrupt length model {path}: no compiled forest")
         current = p.counter.name
         if p.tokenizer_name != current:
             logger.warning("length model %s was trained with tokenizer %r but %r is in use; bounds may be off",

@@ -121,7 +121,8 @@ def run_eval(train_files: list[Path], test_files: list[Path], quantile: float, o
         tick(f"fold {f + 1}/{n_folds}: QRF on {len(tr)} rows")
         t0 = time.perf_counter()
         m = LengthPredictor(quantile, n_estimators=n_estimators, max_depth=max_depth,
-                            min_samples_leaf=min_samples_leaf, random_state=seed, counter=counter)
+                            min_samples_leaf=min_samples_leaf, random_state=seed, counter=counter,
+                            keep_forest=(f == n_folds - 1))
         m.fit_rows(P[tr], G[tr], y[tr], [C[i] for i in tr], [row_key[i] for i in tr])
         fit_s["qrf"] += time.perf_counter() - t0
         Xte = m._assemble(P[te], G[te], [C[i] for i in te])

@@ -29,6 +29,7 @@ from jitflow_server.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from jitflow_server.api.tracing import setup_tracing_from_env, tracer
 from jitflow_server.engine.vllm_engine import EngineConfig, VLLMEngine
 from jitflow_server.tracker.goodput import SLOSpec
 from jitflow_server.tracker.metrics import RequestTiming, ServerMetrics
@@ -85,7 +86,7 @@ class _Call:
     """One in-flight engine request: producer task feeding a queue of (kind, output, time)."""
 
     def __init__(self, state: ServerState, rid: str, prompt_ids: list[int], sp, timing: RequestTiming,
-                 waiting_time: float | None) -> None:
+                 waiting_time: float | None, trace_headers: dict[str, str] | None = None) -> None:
         self.state = state
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -96,10 +97,12 @@ class _Call:
         self.finished = False
         self.finish_reason: str | None = None
         self.task: asyncio.Task | None = None
+        self.trace_headers = trace_headers
 
     async def _produce(self) -> None:
         try:
-            async for out in self.state.engine.generate(self.prompt_ids, self.sp, self.rid):
+            gen = self.state.engine.generate(self.prompt_ids, self.sp, self.rid, trace_headers=self.trace_headers)
+            async for out in gen:
                 self.queue.put_nowait(("out", out, time.time()))
             self.queue.put_nowait(("end", None, time.time()))
         except asyncio.CancelledError:
@@ -165,6 +168,7 @@ class _Call:
 def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | None = None) -> FastAPI:
     """Build the ASGI app. With an ``EngineConfig`` the engine is started/stopped by the lifespan."""
     settings = settings or ServerSettings()
+    setup_tracing_from_env()
     owns_engine = isinstance(engine, EngineConfig)
     eng = VLLMEngine(engine) if isinstance(engine, EngineConfig) else engine
     state = ServerState(eng, settings)
@@ -186,10 +190,18 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
 
     app = FastAPI(title="jitflow", version="0.1.0", lifespan=lifespan)
     app.state.jitflow = state
+    from jitflow_server.api.tasks import register_task_routes
+
+    register_task_routes(app, state)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return _error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        logger.exception("internal error")
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -276,6 +288,28 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
     return app
 
 
+def _end_span(span, timing: RequestTiming, summary: dict, finish_reason: str | None) -> None:
+    """Close the request's SERVER span with ``queue``/``decode`` children from the measured times."""
+    from opentelemetry import trace as ot
+
+    ctx = ot.set_span_in_context(span)
+    t_first, t_last = summary.get("first_token_time"), summary.get("last_token_time")
+    end = t_last or time.time()
+    if t_first is not None:
+        tr = tracer()
+        q = tr.start_span("queue", context=ctx, start_time=int(timing.arrival * 1e9))
+        q.end(end_time=int(t_first * 1e9))
+        d = tr.start_span("decode", context=ctx, start_time=int(t_first * 1e9))
+        d.set_attribute("gen_ai.usage.output_tokens", summary["output_tokens"])
+        d.end(end_time=int(end * 1e9))
+    span.set_attributes({"gen_ai.usage.output_tokens": summary["output_tokens"],
+                         "gen_ai.response.finish_reasons": [finish_reason or "abort"]})
+    for k in ("ttft", "e2el", "slo_met"):
+        if summary.get(k) is not None:
+            span.set_attribute(f"jitflow.{k}", summary[k])
+    span.end(end_time=int(end * 1e9))
+
+
 def _check_model(state: ServerState, model: str) -> None:
     if model not in (state.model_name,):
         raise APIError(404, f"model {model!r} not found; this server serves {state.model_name!r}",
@@ -343,13 +377,27 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
     spec = SLOSpec(slo.kind, slo.ttft, slo.tbt, slo.deadline, waiting_time)
     timing = RequestTiming(rid, spec, arrival, len(prompt_ids))
     if state.tasks is not None and task_ctx is not None:
-        spec = await state.tasks.on_call(task_ctx, body, rid, len(prompt_ids), max_tokens, xargs, timing)
+        timing.slo = state.tasks.on_call(task_ctx, body, rid, len(prompt_ids), max_tokens, xargs, timing)
     if "jf_len_bound" not in xargs:
         xargs["jf_len_bound"] = max_tokens
     timing.len_bound = int(xargs["jf_len_bound"])
     sp = _sampling_params(body, max_tokens, xargs)
 
-    call = _Call(state, rid, prompt_ids, sp, timing, waiting_time)
+    from opentelemetry import propagate
+    from opentelemetry import trace as ot
+
+    headers = {k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")}
+    span = tracer().start_span(f"serve {state.model_name}", context=propagate.extract(headers),
+                               kind=ot.SpanKind.SERVER, start_time=int(arrival * 1e9))
+    span.set_attributes({"gen_ai.operation.name": "chat" if chat else "text_completion",
+                         "gen_ai.request.model": state.model_name, "gen_ai.request.max_tokens": max_tokens,
+                         "gen_ai.response.id": rid, "jitflow.slo.kind": timing.slo.kind,
+                         "gen_ai.usage.input_tokens": len(prompt_ids)})
+    if timing.sub_deadline is not None:
+        span.set_attribute("jitflow.sub_deadline", timing.sub_deadline)
+    if task_ctx is not None:
+        span.set_attributes({"jitflow.task_id": task_ctx.task_id, "jitflow.stage_index": task_ctx.stage_index})
+    call = _Call(state, rid, prompt_ids, sp, timing, waiting_time, headers or None)
     state.in_flight += 1
     state.waiting_first_token += 1
     call.start()
@@ -362,14 +410,21 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
         state.in_flight -= 1
         outcome = "rejected" if isinstance(exc, APIError) and exc.status == 429 else "aborted"
         state.metrics.observe(timing, outcome, timing.summary(finished_ok=False))
+        span.set_attribute("error.type", outcome)
+        span.end()
         await call.close()
         if state.tasks is not None and task_ctx is not None:
             state.tasks.on_call_end(task_ctx, rid, timing, ok=False)
         raise
     state.waiting_first_token -= 1
 
+    recorded: list[dict] = []
+
     def finish_metrics(ok: bool) -> dict:
+        if recorded:  # exactly once per request
+            return recorded[0]
         summary = timing.summary(finished_ok=ok)
+        recorded.append(summary)
         if not ok:
             outcome = "aborted"
         elif summary["slo_met"] is None:
@@ -379,6 +434,7 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
         state.metrics.observe(timing, outcome, summary)
         if state.tasks is not None and task_ctx is not None:
             state.tasks.on_call_end(task_ctx, rid, timing, ok=ok)
+        _end_span(span, timing, summary, call.finish_reason)
         return summary
 
     if not body.stream:
@@ -445,8 +501,7 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
             yield b"data: [DONE]\n\n"
         finally:
             state.in_flight -= 1
-            if not ok and not call.finished:
-                finish_metrics(False)
+            finish_metrics(ok)
             await call.close()
 
     return StreamingResponse(stream(), media_type="text/event-stream",

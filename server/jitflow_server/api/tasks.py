@@ -1,7 +1,406 @@
-"""Compound-task API (``/v1/tasks``): filled in by the compound-task work (issue 5)."""
+"""Compound tasks on the server: ``/v1/tasks`` telemetry, pattern matching and sub-deadlines (issue 5).
+
+The SDK registers a task (``POST /v1/tasks``), reports stage boundaries and tool nodes
+(``POST /v1/tasks/{id}/events``) and the outcome (``POST /v1/tasks/{id}/complete``); every
+LLM call of the task carries ``{"jitflow": {"task_id", "stage", "stage_index", "call_id",
+"parents"}}``. On each call the server:
+
+1. extends the task's partial pattern graph with the call (its stage is *open*),
+2. asks the matcher for the best historical pattern of the same app (JITServe §4.1),
+3. sets the stage's sub-deadline ``T0 + φ(s)·D`` with the accumulated share φ(s) =
+   t≤s / t_total of the matched graph (fallback: equal shares over the app's typical stage
+   count), plus the task's estimated tokens and remaining generation time for GMAX's
+   compound priority (DESIGN.md §5), and a length bound from the matched stage,
+4. hands all of it to the scheduler in ``SamplingParams.extra_args``.
+
+On completion the finished graph (LLM and tool nodes with times, and the outcome) goes into
+the history store; the observed lengths go to the length predictor's telemetry file.
+``GET /v1/tasks/{id}`` shows stages, sub-deadlines, the matched pattern and the outcome.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
-async def attach_tasks(app, state) -> None:
-    """Attach the task routes and a ``TaskManager`` to ``state`` (no-op until implemented)."""
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jitflow_server.api.schemas import APIError
+
+logger = logging.getLogger("jitflow.tasks")
+
+OUTCOMES = ("succeeded", "failed", "deadline_missed", "cancelled")
+
+
+class TaskCreate(BaseModel):
+    """``POST /v1/tasks`` body."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    task_id: str = Field(min_length=1, max_length=200)
+    app: str = Field(min_length=1, max_length=200)
+    deadline: float
+    start_time: float | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("deadline")
+    @classmethod
+    def _pos(cls, v: float) -> float:
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError("deadline must be a positive finite number of seconds")
+        return v
+
+
+class TaskEvents(BaseModel):
+    """``POST /v1/tasks/{id}/events`` body."""
+
+    events: list[dict[str, Any]] = Field(max_length=10_000)
+
+
+class TaskComplete(BaseModel):
+    """``POST /v1/tasks/{id}/complete`` body."""
+
+    outcome: Literal["succeeded", "failed", "deadline_missed", "cancelled"]
+    end_time: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Node:
+    call_id: str
+    kind: str  # llm | tool
+    name: str
+    stage: int
+    parents: list[str]
+    input_len: int = 0
+    output_len: int | None = None
+    start: float | None = None
+    end: float | None = None
+    error: str | None = None
+    request_id: str | None = None
+
+
+@dataclass
+class TaskState:
+    """Server-side state of one compound task (times are unix seconds)."""
+
+    task_id: str
+    app: str
+    deadline: float  # D, seconds
+    t0: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, _Node] = field(default_factory=dict)
+    stage_names: dict[int, str] = field(default_factory=dict)
+    sub_deadlines: dict[int, float] = field(default_factory=dict)
+    stage_times: dict[int, dict[str, float]] = field(default_factory=dict)
+    matched: dict[str, Any] | None = None
+    outcome: str | None = None
+    error: str | None = None
+    end_time: float | None = None
+    implicit: bool = False
+    stored_graph_id: int | None = None
+
+    def view(self) -> dict:
+        """JSON view for ``GET /v1/tasks/{id}``."""
+        stages = []
+        for s in sorted(set(self.stage_names) | {n.stage for n in self.nodes.values()} | set(self.sub_deadlines)):
+            calls = [
+                {"call_id": n.call_id, "kind": n.kind, "name": n.name, "parents": n.parents,
+                 "input_tokens": n.input_len, "output_tokens": n.output_len, "start": n.start, "end": n.end,
+                 "error": n.error, "request_id": n.request_id}
+                for n in self.nodes.values() if n.stage == s
+            ]
+            ends = [c["end"] for c in calls if c["end"] is not None]
+            stages.append({"index": s, "name": self.stage_names.get(s), "sub_deadline": self.sub_deadlines.get(s),
+                           "end": max(ends) if ends else None, "calls": calls,
+                           **self.stage_times.get(s, {})})
+        return {"task_id": self.task_id, "app": self.app, "deadline": self.deadline, "start_time": self.t0,
+                "absolute_deadline": self.t0 + self.deadline, "outcome": self.outcome, "error": self.error,
+                "end_time": self.end_time, "metadata": self.metadata, "stages": stages, "matched": self.matched,
+                "stored_graph_id": self.stored_graph_id, "implicit": self.implicit}
+
+
+class TaskManager:
+    """Keeps running tasks, the history store and the matcher; computes sub-deadlines per call.
+
+    Args:
+        db_path: SQLite history store (``None``: ``$JITFLOW_HISTORY_DB`` or the user cache).
+        patterns: JSONL corpora to import as initial history (each graph keeps its ``app``).
+        telemetry_path: JSONL file receiving one record per finished LLM call of a task
+            (``app, stage, model, input_len, output_len``) for the length predictor.
+        max_tasks: finished tasks kept in memory for ``GET /v1/tasks/{id}``.
+    """
+
+    def __init__(self, db_path: str | Path | None = None, patterns: list[Path] | None = None,
+                 telemetry_path: Path | None = None, max_tasks: int = 10_000) -> None:
+        from jitflow_server.analyzer.matcher import Matcher
+        from jitflow_server.store.history import HistoryStore, default_db_path
+
+        self.db_path = Path(db_path) if db_path else default_db_path()
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self.store = HistoryStore(self.db_path)
+        if patterns:
+            self._import(patterns)
+        self.matcher = Matcher(self.store)
+        self.tasks: dict[str, TaskState] = {}
+        self.max_tasks = max_tasks
+        self.telemetry_path = telemetry_path
+        self._lock = asyncio.Lock()
+
+    def _import(self, paths: list[Path]) -> None:
+        from jitflow_server.analyzer.patterns import read_jsonl
+
+        n = 0
+        for p in paths:
+            graphs = list(read_jsonl(p))
+            self.store.insert_many(graphs)
+            n += len(graphs)
+        logger.info("imported %d pattern graphs from %s", n, [str(p) for p in paths])
+
+    # ----------------------------------------------------------------- tasks
+    def create(self, body: TaskCreate) -> TaskState:
+        """Register a task (idempotent for the same id). Raises ``APIError(409)`` if it already ended."""
+        t = self.tasks.get(body.task_id)
+        if t is not None:
+            if t.outcome is not None:
+                raise APIError(409, f"task {body.task_id!r} has already completed", param="task_id",
+                               type="conflict")
+            if t.implicit:  # first call arrived before registration: adopt the declared deadline
+                t.deadline, t.t0, t.implicit = body.deadline, body.start_time or t.t0, False
+                t.app = body.app
+                t.metadata = body.metadata
+            return t
+        t = TaskState(body.task_id, body.app, body.deadline, body.start_time or time.time(), body.metadata)
+        self.tasks[body.task_id] = t
+        self._trim()
+        return t
+
+    def _trim(self) -> None:
+        if len(self.tasks) <= self.max_tasks:
+            return
+        done = [k for k, v in self.tasks.items() if v.outcome is not None]
+        for k in done[: len(self.tasks) - self.max_tasks]:
+            del self.tasks[k]
+
+    def get(self, task_id: str) -> TaskState:
+        """The task; raises ``APIError(404)``."""
+        t = self.tasks.get(task_id)
+        if t is None:
+            raise APIError(404, f"task {task_id!r} not found", param="task_id", type="not_found_error")
+        return t
+
+    def events(self, task_id: str, events: list[dict[str, Any]]) -> int:
+        """Apply SDK events (stage_start/stage_end/tool/llm); returns how many were applied."""
+        t = self.get(task_id)
+        n = 0
+        for i, ev in enumerate(events):
+            typ = ev.get("type")
+            try:
+                s = int(ev.get("stage_index", 0))
+            except (TypeError, ValueError):
+                raise APIError(400, f"events[{i}].stage_index must be an integer",
+                               param=f"events[{i}].stage_index") from None
+            if ev.get("stage"):
+                t.stage_names.setdefault(s, str(ev["stage"]))
+            if typ in ("stage_start", "stage_end"):
+                key = "stage_start" if typ == "stage_start" else "stage_end"
+                if ev.get("time") is not None:
+                    t.stage_times.setdefault(s, {})[key] = float(ev["time"])
+            elif typ in ("tool", "llm"):
+                cid = str(ev.get("call_id") or f"{typ}-{len(t.nodes)}")
+                node = t.nodes.get(cid) or _Node(cid, typ, str(ev.get("name") or ev.get("model") or typ), s,
+                                                 [str(p) for p in ev.get("parents") or []])
+                node.start = _num(ev.get("start"), node.start)
+                node.end = _num(ev.get("end"), node.end)
+                node.error = ev.get("error") or node.error
+                if typ == "llm":
+                    node.input_len = int(ev.get("input_tokens") or node.input_len or 0)
+                    if ev.get("output_tokens") is not None:
+                        node.output_len = int(ev["output_tokens"])
+                else:
+                    node.output_len = 0
+                t.nodes[cid] = node
+            else:
+                raise APIError(400, f"events[{i}].type must be one of stage_start, stage_end, tool, llm",
+                               param=f"events[{i}].type")
+            n += 1
+        return n
+
+    def complete(self, task_id: str, body: TaskComplete) -> TaskState:
+        """Record the outcome and store the finished pattern graph in the history store."""
+        t = self.get(task_id)
+        if t.outcome is not None:
+            return t
+        t.outcome = body.outcome
+        t.error = body.error
+        t.end_time = body.end_time or time.time()
+        if t.outcome == "succeeded" and t.end_time > t.t0 + t.deadline:
+            t.outcome = "deadline_missed"
+        graph = self._graph(t, final=True)
+        if graph is not None and graph.n_stages > 0:
+            try:
+                t.stored_graph_id = self.store.insert(graph)
+            except ValueError as exc:
+                logger.warning("task %s not stored: %s", task_id, exc)
+        self._write_telemetry(t)
+        return t
+
+    # --------------------------------------------------------------- matching
+    def _graph(self, t: TaskState, final: bool = False):
+        from jitflow_server.analyzer.patterns import CallNode, PatternGraph
+
+        calls = []
+        for n in t.nodes.values():
+            out = n.output_len
+            if final and out is None:
+                out = 0
+            calls.append(CallNode(n.call_id, n.kind, n.name, int(n.input_len), out,
+                                  None if n.start is None else n.start - t.t0,
+                                  None if n.end is None else n.end - t.t0, None,
+                                  [p for p in n.parents if p in t.nodes], n.stage))
+        if not calls:
+            return None
+        # Stage indices must be contiguous for a pattern graph: renumber in order.
+        order = sorted({c.stage for c in calls})
+        remap = {s: i for i, s in enumerate(order)}
+        for c in calls:
+            c.stage = remap[c.stage]
+        names = [t.stage_names.get(s, "") for s in order]
+        return PatternGraph.from_calls(t.app, calls, stage_names=names,
+                                       outcome=t.outcome if final else None, task_id=t.task_id)
+
+    def on_call(self, ctx, body, rid: str, prompt_tokens: int, max_tokens: int, xargs: dict[str, Any],
+                timing) -> Any:
+        """Extend the partial graph with an LLM call and fill the scheduler metadata (``xargs``).
+
+        Returns the (possibly updated) ``SLOSpec`` of the call: judged against the task deadline.
+        """
+        from jitflow_server.analyzer.subdeadline import remaining_time, sub_deadline
+        from jitflow_server.tracker.goodput import SLOSpec
+
+        now = timing.arrival
+        t = self.tasks.get(ctx.task_id)
+        if t is None:  # first call before (or without) registration: an implicit task
+            d = body.slo.deadline if body.slo is not None and body.slo.deadline else None
+            if d is None:
+                raise APIError(400, f"task {ctx.task_id!r} is not registered and the call has no slo.deadline",
+                               param="jitflow.task_id")
+            t = TaskState(ctx.task_id, "unknown", d, now, implicit=True)
+            self.tasks[ctx.task_id] = t
+        if t.outcome is not None:
+            raise APIError(409, f"task {ctx.task_id!r} has already completed", param="jitflow.task_id",
+                           type="conflict")
+        s = int(ctx.stage_index)
+        if ctx.stage:
+            t.stage_names.setdefault(s, ctx.stage)
+        cid = ctx.call_id or rid
+        t.nodes[cid] = _Node(cid, "llm", body.model, s, list(ctx.parents), prompt_tokens, None, now,
+                             request_id=rid)
+        match = None
+        t_match = time.perf_counter()
+        partial = self._graph(t)
+        try:
+            match = self.matcher.match(partial, bump=False) if partial is not None else None
+        except ValueError as exc:
+            logger.debug("matching failed for %s: %s", t.task_id, exc)
+        match_ms = (time.perf_counter() - t_match) * 1e3
+        stage_pos = sorted({n.stage for n in t.nodes.values()}).index(s)
+        expected = None if match is not None else self.store.typical_stages(t.app)
+        sd = sub_deadline(match, stage_pos, t.t0, t.deadline, expected_stages=expected)
+        # Never give a stage less time than what is left when the call arrives at an earlier sub-deadline.
+        t.sub_deadlines[s] = sd
+        if match is not None:
+            g = match.graph
+            t.matched = {"graph_id": match.graph_id, "score": round(float(match.score), 4),
+                         "n_stages": g.n_stages, "task_tokens": int(sum(g.total_tokens())),
+                         "n_candidates": match.n_candidates, "match_ms": round(match_ms, 3)}
+            xargs["jf_task_tokens"] = int(sum(g.total_tokens()))
+            xargs["jf_task_rem_time"] = float(remaining_time(match, stage_pos))
+            outs = [n.output_len for n in g.nodes if n.stage == stage_pos and n.kind == "llm" and n.output_len]
+            if outs:
+                xargs["jf_len_bound"] = int(min(max_tokens, math.ceil(1.2 * max(outs)) + 1))
+        else:
+            t.matched = None
+        xargs.update({"jf_kind": "compound", "jf_task": t.task_id, "jf_stage": s, "jf_sub_deadline": sd,
+                      "jf_deadline": max(1e-3, t.t0 + t.deadline - now)})
+        timing.sub_deadline = sd
+        return SLOSpec("compound", None, None, max(1e-3, t.t0 + t.deadline - now), timing.slo.waiting_time)
+
+    def on_call_end(self, ctx, rid: str, timing, ok: bool) -> None:
+        """Record the finished call's lengths and times in the task's graph."""
+        t = self.tasks.get(ctx.task_id)
+        if t is None:
+            return
+        cid = ctx.call_id or rid
+        n = t.nodes.get(cid)
+        if n is None:
+            return
+        n.output_len = len(timing.token_times)
+        n.end = timing.token_times[-1] if timing.token_times else time.time()
+        if not ok:
+            n.error = n.error or "aborted"
+
+    def _write_telemetry(self, t: TaskState) -> None:
+        if self.telemetry_path is None:
+            return
+        try:
+            with open(self.telemetry_path, "a") as fh:
+                for n in t.nodes.values():
+                    if n.kind == "llm" and n.output_len is not None:
+                        fh.write(json.dumps({"app": t.app, "stage": t.stage_names.get(n.stage), "model": n.name,
+                                             "input_len": n.input_len, "output_len": n.output_len}) + "\n")
+        except OSError as exc:
+            logger.warning("telemetry write failed: %s", exc)
+
+    async def close(self) -> None:
+        """Close the history store."""
+        self.store.close()
+
+
+def _num(v: Any, default: float | None) -> float | None:
+    try:
+        return float(v) if v is not None else default
+    except (TypeError, ValueError):
+        return default
+
+
+async def attach_tasks(app: FastAPI, state) -> None:
+    """Create the ``TaskManager`` (history DB from ``$JITFLOW_HISTORY_DB``, initial patterns from
+    ``$JITFLOW_PATTERNS``, call telemetry to ``$JITFLOW_TELEMETRY``) and attach it to ``state``."""
+    patterns = [Path(p) for p in os.environ.get("JITFLOW_PATTERNS", "").split(os.pathsep) if p]
+    tele = os.environ.get("JITFLOW_TELEMETRY")
+    state.tasks = await asyncio.to_thread(TaskManager, None, patterns, Path(tele) if tele else None)
+
+
+def register_task_routes(app: FastAPI, state) -> None:
+    """Add the ``/v1/tasks`` routes (they answer 503 until the ``TaskManager`` is attached)."""
+
+    def mgr() -> TaskManager:
+        if state.tasks is None:
+            raise APIError(503, "task manager not ready", type="unavailable")
+        return state.tasks
+
+    @app.post("/v1/tasks", status_code=201)
+    async def create_task(body: TaskCreate):
+        return mgr().create(body).view()
+
+    @app.post("/v1/tasks/{task_id}/events")
+    async def task_events(task_id: str, body: TaskEvents):
+        return {"applied": mgr().events(task_id, body.events)}
+
+    @app.post("/v1/tasks/{task_id}/complete")
+    async def complete_task(task_id: str, body: TaskComplete):
+        m = mgr()
+        return await asyncio.to_thread(lambda: m.complete(task_id, body).view())
+
+    @app.get("/v1/tasks/{task_id}")
+    async def get_task(task_id: str):
+        return mgr().get(task_id).view()

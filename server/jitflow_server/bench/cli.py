@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from jitflow_server.bench import frame_cli
+from jitflow_server.bench import engine_cli, frame_cli, sim_cli
 
 
 def register(bench_app: typer.Typer) -> None:
     """Attach every benchmark command to ``jitflow bench``."""
     frame_cli.register(bench_app)
+    sim_cli.register(bench_app)
+    engine_cli.register(bench_app)

@@ -89,11 +89,16 @@ class VLLMEngine:
         """True while the engine core is running and not errored."""
         return self.llm is not None and not getattr(self.llm, "errored", False)
 
-    def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str) -> AsyncIterator:
-        """Stream ``RequestOutput`` deltas for one request (``sampling_params.output_kind`` DELTA)."""
+    def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str,
+                 trace_headers: dict[str, str] | None = None) -> AsyncIterator:
+        """Stream ``RequestOutput`` deltas for one request (``sampling_params.output_kind`` DELTA).
+
+        ``trace_headers`` (W3C ``traceparent``/``tracestate``) are forwarded to vLLM's own tracing.
+        """
         if self.llm is None:
             raise EngineError("engine not started")
-        return self.llm.generate({"prompt_token_ids": prompt_token_ids}, sampling_params, request_id=request_id)
+        return self.llm.generate({"prompt_token_ids": prompt_token_ids}, sampling_params, request_id=request_id,
+                                 trace_headers=trace_headers)
 
     async def abort(self, request_id: str) -> None:
         """Abort one request in the frontend and the engine core (idempotent)."""

@@ -1,0 +1,3 @@
+"""placeholder"""
+def register(bench_app):
+    pass

@@ -1,0 +1,69 @@
+"""Aggregate per-job records into the benchmark metrics (shared by the simulator and the real engine).
+
+A *job record* is a dict with ``kind`` (latency|deadline|compound), ``slo_met`` (bool), ``goodput``
+(tokens, JITServe §3 as judged by :func:`jitflow_server.tracker.goodput.evaluate`), ``output_tokens``,
+``ttft``/``tbt_mean``/``e2el`` (s or None), ``rejected`` (bool) and ``preemptions``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jitflow_server.bench.workload import KINDS
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list[float] | None = None) -> dict:
+    """Metrics of one run.
+
+    Rates: ``token_goodput`` (goodput tokens/s) and ``request_goodput`` (jobs meeting their SLO per
+    second) are divided by ``span_s`` (the workload's arrival window, identical for every policy on
+    the same workload, so the rates compare like the totals); ``throughput`` (generated output
+    tokens/s) by ``makespan_s`` (first arrival to last token of this run). Per kind: count, SLO
+    attainment (rejected and unfinished jobs count as missed), goodput tokens, rejections, P50/P95 of
+    TTFT, TBT (per-job mean gap, latency kind) and E2EL over the jobs that produced them. Frame
+    scheduling time P50/P99 in ms when ``frame_ms`` is given.
+    """
+    span = max(span_s, 1e-9)
+    n = len(jobs)
+    good = float(sum(j["goodput"] for j in jobs))
+    met = sum(1 for j in jobs if j["slo_met"])
+    out = float(sum(j["output_tokens"] for j in jobs))
+    res: dict = {
+        "jobs": n,
+        "token_goodput": good / span,
+        "goodput_tokens": good,
+        "request_goodput": met / span,
+        "slo_attainment": met / n if n else 0.0,
+        "throughput": out / max(makespan_s, 1e-9),
+        "output_tokens": out,
+        "rejected": sum(1 for j in jobs if j.get("rejected")),
+        "preemptions": int(sum(j.get("preemptions", 0) for j in jobs)),
+        "span_s": span_s,
+        "makespan_s": makespan_s,
+        "per_kind": {},
+    }
+    for k in KINDS:
+        js = [j for j in jobs if j["kind"] == k]
+        if not js:
+            continue
+        ttft = [j["ttft"] for j in js if j.get("ttft") is not None]
+        tbt = [j["tbt_mean"] for j in js if j.get("tbt_mean") is not None]
+        e2el = [j["e2el"] for j in js if j.get("e2el") is not None]
+        res["per_kind"][k] = {
+            "n": len(js),
+            "slo_attainment": sum(1 for j in js if j["slo_met"]) / len(js),
+            "goodput_tokens": float(sum(j["goodput"] for j in js)),
+            "rejected": sum(1 for j in js if j.get("rejected")),
+            "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95),
+            "tbt_p50": _pct(tbt, 50), "tbt_p95": _pct(tbt, 95),
+            "e2el_p50": _pct(e2el, 50), "e2el_p95": _pct(e2el, 95),
+        }
+    if frame_ms:
+        res["frame_ms_p50"] = _pct(frame_ms, 50)
+        res["frame_ms_p99"] = _pct(frame_ms, 99)
+        res["frames"] = len(frame_ms)
+    return res

@@ -1,0 +1,129 @@
+"""Simulated benchmark runs: policy × load, ablations and sweeps (issue 6 §3).
+
+``run_sim_one`` runs one workload through one *variant* and returns its metrics. Variants:
+
+- every policy of :data:`jitflow_server.scheduler.POLICY_NAMES` (``gmax``, ``gmax-jit``, ``fcfs``,
+  ``sarathi``, ``edf``, ``sjf``, ``las``, ``oracle``) with the run's analyzer and length-bound modes;
+  ``oracle`` always gets true lengths and the task's own graph (JITServe*);
+- ``gmax-noanalyzer``: GMAX with ``--analyzer none`` and average length bounds (Fig. 17 "w/o analyzer");
+- ``sjf-analyzer``: the Fig. 17 "w/o GMAX" variant (SJF on the analyzer's estimates; identical to
+  ``sjf`` with the default analyzer, listed separately for the ablation table).
+
+Baselines run frames of ``baseline_delta`` decode steps (default Δ = 50, like GMAX) plus a new
+frame on every arrival/finish: they re-rank exactly when their order can change through an
+arrival or finish; with Δ = 1, ``las`` would preempt at every token (Autellix uses time quanta).
+
+Admission control (``waiting_time``, JITServe §5) is part of JITServe: the GMAX variants always use
+it; the baselines (vLLM/Sarathi/Autellix/LTR-like, which have none) use it only with
+``baseline_admission=True`` (``jitflow bench sim --baseline-admission``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
+from jitflow_server.bench.metrics import summarize
+from jitflow_server.bench.presets import StepModel
+from jitflow_server.bench.workload import DataSources, Job
+from jitflow_server.engine.sim import SimConfig, SimEngine
+from jitflow_server.scheduler import POLICY_NAMES, make_policy
+
+EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age")
+VARIANTS = (*POLICY_NAMES, *EXTRA_VARIANTS)
+
+
+@dataclass
+class RunSettings:
+    """Shared settings of a set of simulated runs (see ``jitflow bench sim --help``)."""
+
+    analyzer: str = "pattern"
+    length_bound: str = "noisy"
+    sigma: float = 0.5
+    quantile: float = 0.9
+    batch_size: int | None = None
+    waiting_time: float | None = 5.0
+    baseline_admission: bool = False
+    baseline_delta: int = 50
+    gmax_params: dict = field(default_factory=dict)
+    length_scale: float = 1.0
+    seed: int = 0
+
+
+def is_gmax_family(variant: str) -> bool:
+    """True for the JITServe variants (GMAX, its ablations and the oracle)."""
+    return variant.startswith("gmax") or variant == "oracle"
+
+
+def check_variants(names: list[str]) -> None:
+    """Raise ``ValueError`` naming the valid variants if one is unknown."""
+    bad = [n for n in names if n not in VARIANTS]
+    if bad or not names:
+        raise ValueError(f"unknown policies {bad}; valid: {', '.join(VARIANTS)}")
+
+
+class AgeBoostGMAX:
+    """Factory of the ``gmax-age`` experiment: GMAX whose δ anti-starvation boost counts frames since
+    *arrival* instead of since the request was last in a batch (a one-line change of
+    ``GMAXPolicy.score``'s ``last_served`` argument, proposed to the core; see docs/benchmarks.md).
+    With the core's "since last served" rule, a demoted (infeasible) waiting request outranks every
+    demoted running one after a single frame, so the batch rotates among demoted requests."""
+
+    @staticmethod
+    def make(**params):
+        from jitflow_server.scheduler.gmax import GMAXPolicy
+
+        class _Age(GMAXPolicy):
+            def score(self, snap, ctx, last_served=None):  # type: ignore[override]
+                return super().score(snap, ctx, None)
+
+        return _Age(name="gmax-age", **params)
+
+
+def build_policy(variant: str, st: RunSettings):
+    """The policy object of ``variant`` (GMAX family with ``st.gmax_params``; baselines with Δ)."""
+    if variant == "gmax-age":
+        return AgeBoostGMAX.make(**dict(st.gmax_params))
+    base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax"}.get(variant, variant)
+    if base in ("gmax", "gmax-jit", "oracle"):
+        return make_policy(base, **dict(st.gmax_params))
+    return make_policy(base, delta_steps=st.baseline_delta)
+
+
+def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings, data: DataSources,
+                analyzers: dict | None = None) -> dict:
+    """Simulate ``jobs`` under ``variant``; returns :func:`summarize` metrics plus run info.
+
+    ``analyzers`` caches :class:`CompoundAnalyzer` objects per mode across calls (building one loads
+    and indexes the history). Raises ``ValueError`` for an unknown variant.
+    """
+    check_variants([variant])
+    an_mode, len_mode = st.analyzer, st.length_bound
+    if variant == "oracle":
+        an_mode, len_mode = "oracle", "oracle"
+    elif variant == "gmax-noanalyzer":
+        an_mode, len_mode = "none", "average"
+    analyzers = analyzers if analyzers is not None else {}
+    B = st.batch_size or model.batch_size
+    if an_mode not in analyzers:
+        analyzers[an_mode] = CompoundAnalyzer(an_mode, data, decode_s=model.decode_token_time(B),
+                                              prefill_s=model.per_prefill_token_s, length_scale=st.length_scale)
+    an = analyzers[an_mode]
+    an.match_ms.clear()
+    bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile)
+    if len_mode == "average":
+        bounder.fit_averages(jobs)
+    pol = build_policy(variant, st)
+    wt = st.waiting_time if (is_gmax_family(variant) or st.baseline_admission) else None
+    eng = SimEngine(model, pol, bounder, an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed))
+    out = eng.run(jobs)
+    span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
+    res = summarize(out["jobs"], span, out["makespan"] - (jobs[0].arrival if jobs else 0.0), out["frame_ms"])
+    res.update(variant=variant, analyzer=an_mode, waiting_time=wt, length_bound=len_mode, steps=out["steps"],
+               sim_preemptions=out["preemptions"], kv_peak_frac=out["kv_peak_blocks"] / out["kv_capacity_blocks"],
+               wall_s=out["wall_s"], p_final=getattr(pol, "p", None))
+    if out["match_ms"]:
+        import numpy as np
+
+        res["match_ms_p50"] = float(np.percentile(out["match_ms"], 50))
+    return res

@@ -1,0 +1,351 @@
+"""``jitflow bench sim``: the simulated evaluation (issue 6 §3): policies × loads, oracle, ablation,
+SLO-tightness and workload-mix sweeps; writes ``results.json``, ``results.md`` and plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DEFAULT_POLICIES = "gmax,gmax-age,fcfs,sarathi,sjf,las,edf,oracle"
+PRESET_DEFAULTS = {
+    "a100-llama8b": {"rps": "1,2,3,4,6", "length_scale": 1.0, "max_context": None},
+    "cpu-demo": {"rps": "0.25,0.5,1,1.5,2", "length_scale": 0.0625, "max_context": 8192},
+}
+SWEEP_POLICIES = ("gmax", "gmax-age", "sarathi", "edf", "sjf", "las")
+
+
+def parse_floats(text: str, name: str) -> list[float]:
+    """Comma-separated positive floats; raises ``typer.BadParameter`` naming ``name``."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise typer.BadParameter(f"{name} needs positive numbers, got {text!r}")
+    return vals
+
+
+def resolve_data(data: Optional[Path]) -> Optional[Path]:
+    """``--data`` or the default ``../shared/data`` (None when absent: built-in distributions)."""
+    from jitflow_server.bench.workload import default_data_dir
+
+    if data is not None:
+        if not data.is_dir():
+            raise typer.BadParameter(f"{data} is not a directory", param_hint="--data")
+        return data
+    return default_data_dir()
+
+
+def headline(main: dict, rps_key: str) -> dict:
+    """GMAX vs best baseline, vs oracle, throughput vs FCFS at one load (the issue's targets)."""
+    runs = main[rps_key]
+    out: dict = {"rps": float(rps_key)}
+    base = {p: r["token_goodput"] for p, r in runs.items() if p in ("fcfs", "sarathi", "edf", "sjf", "las")}
+    if "gmax" in runs and base:
+        best = max(base, key=base.get)
+        out["best_baseline"] = best
+        out["gmax_over_best_baseline"] = runs["gmax"]["token_goodput"] / max(base[best], 1e-9)
+        req_base = {p: runs[p]["request_goodput"] for p in base}
+        rb = max(req_base, key=req_base.get)
+        out["gmax_request_over_best_baseline"] = runs["gmax"]["request_goodput"] / max(req_base[rb], 1e-9)
+    if "gmax-age" in runs and base:
+        best = max(base, key=base.get)
+        out["gmax_age_over_best_baseline"] = runs["gmax-age"]["token_goodput"] / max(base[best], 1e-9)
+        if "oracle" in runs:
+            out["gmax_age_over_oracle"] = runs["gmax-age"]["token_goodput"] / max(runs["oracle"]["token_goodput"], 1e-9)
+        if "fcfs" in runs:
+            out["gmax_age_throughput_over_fcfs"] = runs["gmax-age"]["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
+    if "gmax" in runs and "oracle" in runs:
+        out["gmax_over_oracle"] = runs["gmax"]["token_goodput"] / max(runs["oracle"]["token_goodput"], 1e-9)
+    if "gmax" in runs and "fcfs" in runs:
+        out["gmax_throughput_over_fcfs"] = runs["gmax"]["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
+    return out
+
+
+def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_requests: int, seed: int,
+                  data_dir: Optional[Path], arrivals: str, mix: str, tightness: float, length_bound: str,
+                  analyzer: str, batch_size: Optional[int], waiting_time: float, length_scale: Optional[float],
+                  ablation: bool, tightness_list: list[float], mixes: list[str], sweep_requests: int,
+                  sweep_rps: Optional[float], gmax_params: dict, progress=None,
+                  baseline_admission: bool = False) -> dict:
+    """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring)."""
+    from jitflow_server.bench.presets import load_preset
+    from jitflow_server.bench.runner import RunSettings, run_sim_one
+    from jitflow_server.bench.workload import DataSources, make_workload, parse_mix, workload_summary
+
+    model = load_preset(preset)
+    dflt = PRESET_DEFAULTS.get(model.name, {"length_scale": 1.0, "max_context": None})
+    ls = length_scale if length_scale is not None else dflt["length_scale"]
+    data = DataSources.load(data_dir)
+    st = RunSettings(analyzer=analyzer, length_bound=length_bound, batch_size=batch_size,
+                     waiting_time=waiting_time if waiting_time > 0 else None, length_scale=ls, seed=seed,
+                     gmax_params=gmax_params, baseline_admission=baseline_admission)
+    mix_w = parse_mix(mix)
+    analyzers: dict = {}
+    t0 = time.time()
+
+    def wl(n: int, rps: float, mx=mix_w, tight=tightness, s=seed):
+        return make_workload(n, rps, mix=mx, arrivals=arrivals, data=data, seed=s, tightness=tight,
+                             length_scale=ls, max_context=dflt["max_context"])
+
+    def tick(desc: str) -> None:
+        if progress is not None:
+            progress.update(progress.task_ids[0], advance=1, description=desc)
+
+    res: dict = {"config": {"preset": model.name, "preset_params": model.to_dict(), "policies": policies,
+                            "rps": rps_list, "requests": n_requests, "seed": seed, "arrivals": arrivals, "mix": mix,
+                            "tightness": tightness, "length_bound": length_bound, "analyzer": analyzer,
+                            "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time,
+                            "baseline_admission": baseline_admission,
+                            "length_scale": ls, "data": data.origin, "gmax_params": gmax_params},
+                 "main": {}, "workloads": {}}
+    for rps in rps_list:
+        jobs = wl(n_requests, rps)
+        res["workloads"][str(rps)] = workload_summary(jobs)
+        res["main"][str(rps)] = {}
+        for pol in policies:
+            tick(f"rps {rps}: {pol}")
+            res["main"][str(rps)][pol] = run_sim_one(jobs, model, pol, st, data, analyzers)
+    top = str(max(rps_list))
+    res["headline"] = {k: headline(res["main"], k) for k in res["main"]}
+    srps = sweep_rps or max(rps_list)
+    if ablation:
+        jobs = wl(n_requests, float(top))
+        ab: dict = {}
+        for v in ("oracle", "gmax", "gmax-age", "gmax-noanalyzer", "sjf-analyzer", "sarathi"):
+            tick(f"ablation: {v}")
+            if v in res["main"][top]:
+                ab[v] = res["main"][top][v]
+            else:
+                ab[v] = run_sim_one(jobs, model, v, st, data, analyzers)
+        res["ablation"] = {"rps": float(top), "runs": ab}
+    sweep_pols = [p for p in SWEEP_POLICIES if p in policies] or policies[:3]
+    if tightness_list:
+        res["tightness"] = {"rps": srps, "requests": sweep_requests, "runs": {}}
+        for f in tightness_list:
+            jobs = wl(sweep_requests, srps, tight=f)
+            res["tightness"]["runs"][str(f)] = {}
+            for pol in sweep_pols:
+                tick(f"tightness {f}: {pol}")
+                res["tightness"]["runs"][str(f)][pol] = run_sim_one(jobs, model, pol, st, data, analyzers)
+    if mixes:
+        res["mix"] = {"rps": srps, "requests": sweep_requests, "runs": {}}
+        for mx in mixes:
+            jobs = wl(sweep_requests, srps, mx=parse_mix(mx))
+            res["mix"]["runs"][mx] = {}
+            for pol in sweep_pols:
+                tick(f"mix {mx}: {pol}")
+                res["mix"]["runs"][mx][pol] = run_sim_one(jobs, model, pol, st, data, analyzers)
+    res["wall_s"] = time.time() - t0
+    return res
+
+
+def count_runs(policies: list[str], rps_list: list[float], ablation: bool, tightness_list: list[float],
+               mixes: list[str]) -> int:
+    """Number of progress ticks of :func:`run_sim_bench`."""
+    n_sw = len([p for p in SWEEP_POLICIES if p in policies]) or min(3, len(policies))
+    return len(policies) * len(rps_list) + (6 if ablation else 0) + n_sw * (len(tightness_list) + len(mixes))
+
+
+def _fmt(x, nd: int = 2) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
+    """Write ``results.json``, ``results.md`` and the plots into ``out``; returns the plot paths."""
+    from jitflow_server.bench import plots
+    from jitflow_server.bench.runner import is_gmax_family
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    cfg = res["config"]
+    figs = [plots.plot_goodput_vs_rps(res, out), plots.plot_oracle(res, out), plots.plot_throughput(res, out)]
+    top = str(max(cfg["rps"]))
+    figs.append(plots.plot_latency(res, out, top))
+    L = [f"# Simulated benchmark ({cfg['preset']})", "", f"Command: `{command}`", "",
+         f"{cfg['requests']} requests per load, mix {cfg['mix']} (latency:deadline:compound), arrivals "
+         f"{cfg['arrivals']}, SLO tightness {cfg['tightness']}, length bounds `{cfg['length_bound']}`, analyzer "
+         f"`{cfg['analyzer']}`, B = {cfg['batch_size']}, waiting_time {cfg['waiting_time']} s "
+         f"({'all policies' if cfg.get('baseline_admission') else 'GMAX variants only'}), length scale "
+         f"{cfg['length_scale']}, seed {cfg['seed']}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", "",
+         "## Headline (targets of issue 6)", "",
+         "| RPS | GMAX / best baseline (token) | best baseline | GMAX / best baseline (request) | GMAX / oracle | "
+         "GMAX throughput / FCFS | gmax-age / best baseline | gmax-age / oracle | gmax-age thr. / FCFS |",
+         "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for k, h in res["headline"].items():
+        L.append(f"| {k} | {_fmt(h.get('gmax_over_best_baseline'))} | {h.get('best_baseline', '–')} | "
+                 f"{_fmt(h.get('gmax_request_over_best_baseline'))} | {_fmt(h.get('gmax_over_oracle'))} | "
+                 f"{_fmt(h.get('gmax_throughput_over_fcfs'))} | {_fmt(h.get('gmax_age_over_best_baseline'))} | "
+                 f"{_fmt(h.get('gmax_age_over_oracle'))} | {_fmt(h.get('gmax_age_throughput_over_fcfs'))} |")
+    L += ["", "## Goodput, throughput and SLO attainment per policy and load", "",
+          "| RPS | policy | token goodput (tok/s) | request goodput (req/s) | SLO att. | att. latency | att. deadline | "
+          "att. compound | throughput (tok/s) | rejected | preempt. | frame P50/P99 ms |",
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for k, runs in res["main"].items():
+        for p, r in runs.items():
+            pk = r["per_kind"]
+            L.append(f"| {k} | {p} | {r['token_goodput']:.0f} | {r['request_goodput']:.3f} | {r['slo_attainment']:.2f} | "
+                     f"{_fmt(pk.get('latency', {}).get('slo_attainment'))} | "
+                     f"{_fmt(pk.get('deadline', {}).get('slo_attainment'))} | "
+                     f"{_fmt(pk.get('compound', {}).get('slo_attainment'))} | {r['throughput']:.0f} | {r['rejected']} | "
+                     f"{r['sim_preemptions']} | {_fmt(r.get('frame_ms_p50'))}/{_fmt(r.get('frame_ms_p99'))} |")
+    L += ["", f"## Latency per kind at {top} requests/s (P50 / P95, seconds, served requests)", "",
+          "| policy | TTFT lat. | TBT lat. | E2EL deadline | TTFT deadline | E2EL compound |", "|---|---|---|---|---|---|"]
+    for p, r in res["main"][top].items():
+        pk = r["per_kind"]
+
+        def pp(kind: str, m: str, pk=pk) -> str:
+            d = pk.get(kind, {})
+            return f"{_fmt(d.get(m + '_p50'))} / {_fmt(d.get(m + '_p95'))}"
+
+        L.append(f"| {p} | {pp('latency', 'ttft')} | {pp('latency', 'tbt')} | {pp('deadline', 'e2el')} | "
+                 f"{pp('deadline', 'ttft')} | {pp('compound', 'e2el')} |")
+    if "ablation" in res:
+        ab = res["ablation"]
+        rows = {k: v["token_goodput"] for k, v in ab["runs"].items()}
+        figs.append(plots.plot_bars(rows, out, "ablation.png", f"Ablation at {ab['rps']} requests/s (Fig. 17)",
+                                    "token goodput (tokens/s)"))
+        L += ["", f"## Ablation at {ab['rps']} requests/s (Fig. 17)", "",
+              "`gmax-noanalyzer`: GMAX with average-based lengths and equal-share sub-deadlines; "
+              "`sjf-analyzer`: SJF on the analyzer's estimates (\"w/o GMAX\").", "",
+              "| variant | token goodput | request goodput | SLO att. |", "|---|---:|---:|---:|"]
+        for k, v in ab["runs"].items():
+            L.append(f"| {k} | {v['token_goodput']:.0f} | {v['request_goodput']:.3f} | {v['slo_attainment']:.2f} |")
+    for key, fname, title, xl, cat in (("tightness", "tightness.png", "SLO tightness sweep (Figs. 19/21)",
+                                        "SLO scale factor (1 = paper SLOs)", False),
+                                       ("mix", "mix.png", "Workload mix sweep (Fig. 20)",
+                                        "mix latency:deadline:compound", True)):
+        if key not in res:
+            continue
+        sw = res[key]
+        figs.append(plots.plot_sweep(sw["runs"], out, fname, f"{title}, {sw['rps']} req/s, {sw['requests']} requests",
+                                     xl, categorical=cat))
+        pols = list(next(iter(sw["runs"].values())))
+        L += ["", f"## {title} at {sw['rps']} requests/s ({sw['requests']} requests): token goodput (tok/s)", "",
+              "| " + key + " | " + " | ".join(pols) + " | GMAX variants / best baseline |",
+              "|---|" + "---:|" * (len(pols) + 1)]
+        for x, runs in sw["runs"].items():
+            vals = [runs[p]["token_goodput"] for p in pols]
+            others = [runs[p]["token_goodput"] for p in pols if not is_gmax_family(p)]
+            ratios = [f"{q}: {runs[q]['token_goodput'] / max(max(others), 1e-9):.2f}" for q in pols
+                      if is_gmax_family(q)] if others else []
+            L.append(f"| {x} | " + " | ".join(f"{v:.0f}" for v in vals) + f" | {', '.join(ratios) or '–'} |")
+    L += ["", "Plots: " + ", ".join(f"`{p.name}`" for p in figs if p is not None), ""]
+    (out / "results.md").write_text("\n".join(L))
+    return [p for p in figs if p is not None]
+
+
+def register(bench_app: typer.Typer) -> None:
+    """Attach ``sim`` to ``jitflow bench``."""
+
+    @bench_app.command("sim")
+    def sim(
+        out: Path = typer.Option(..., "--out", help="Output directory (results.json, results.md, *.png)."),
+        preset: str = typer.Option("a100-llama8b", "--preset", help="cpu-demo | a100-llama8b | preset JSON file."),
+        policies: str = typer.Option(DEFAULT_POLICIES, "--policies",
+                                     help="Comma-separated: gmax, gmax-jit, fcfs, sarathi, edf, sjf, las, oracle, "
+                                     "gmax-noanalyzer, sjf-analyzer, gmax-age (δ aged from arrival)."),
+        rps: Optional[str] = typer.Option(None, "--rps", help="Comma-separated loads (requests/s); default per preset."),
+        requests: int = typer.Option(3000, "--requests", min=1, help="Requests (jobs) per load."),
+        seed: int = typer.Option(0, "--seed", help="Seed of workloads and length-bound noise."),
+        data: Optional[Path] = typer.Option(None, "--data", help="Trace directory (default ../shared/data if present)."),
+        arrivals: str = typer.Option("poisson", "--arrivals", help="poisson | azure (trace timestamps rescaled)."),
+        mix: str = typer.Option("1:1:1", "--mix", help="latency:deadline:compound weights."),
+        tightness: float = typer.Option(1.0, "--tightness", min=0.01, help="Global SLO scale factor."),
+        length_bound: str = typer.Option("noisy", "--length-bound", help="noisy | oracle | average."),
+        analyzer: str = typer.Option("pattern", "--analyzer", help="pattern | none (average-based fallback)."),
+        batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="B (default: the preset's)."),
+        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
+        baseline_admission: bool = typer.Option(False, "--baseline-admission/--no-baseline-admission",
+                                                help="Apply the waiting_time admission control to the baselines "
+                                                "too (default: only to GMAX variants, as in the paper)."),
+        length_scale: Optional[float] = typer.Option(None, "--length-scale", min=0.001,
+                                                     help="Scale of trace lengths (default per preset)."),
+        ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="Fig. 17 ablation at the top load."),
+        tightness_list: str = typer.Option("0.6,0.8,1.0,1.5,2.0", "--tightness-sweep",
+                                           help="SLO factors of the tightness sweep ('' = skip)."),
+        mixes: str = typer.Option("1:1:1,1:2:0,1:0:0,0:1:0,0:0:1,2:1:1", "--mix-sweep",
+                                  help="Mixes of the workload-mix sweep, comma-separated ('' = skip)."),
+        sweep_requests: Optional[int] = typer.Option(None, "--sweep-requests", min=1,
+                                                     help="Requests per sweep run (default min(requests, 1500))."),
+        sweep_rps: Optional[float] = typer.Option(None, "--sweep-rps", min=0.001, help="Load of the sweeps (default: top)."),
+        param: list[str] = typer.Option([], "--param", help="GMAX parameter NAME=VALUE (repeatable)."),
+        quick: bool = typer.Option(False, "--quick", help="Small run (< 2 min): 150 requests, 3 loads, short sweeps."),
+    ) -> None:
+        """Simulate GMAX and the baselines on the mixed workload; write results and plots (issue 6 §3)."""
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from jitflow_server.bench.estimates import ANALYZER_MODES, LENGTH_MODES
+        from jitflow_server.bench.presets import PresetError, load_preset
+        from jitflow_server.bench.runner import check_variants
+        from jitflow_server.bench.workload import WorkloadError, parse_mix
+        from jitflow_server.engine.cli import _parse_params
+
+        try:
+            model = load_preset(preset)
+        except PresetError as e:
+            raise typer.BadParameter(str(e), param_hint="--preset") from None
+        pols = [p.strip() for p in policies.split(",") if p.strip()]
+        try:
+            check_variants(pols)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--policies") from None
+        if length_bound not in LENGTH_MODES:
+            raise typer.BadParameter(f"choose one of {LENGTH_MODES}", param_hint="--length-bound")
+        if analyzer not in ("pattern", "none"):
+            raise typer.BadParameter(f"choose one of {ANALYZER_MODES[::2]}", param_hint="--analyzer")
+        if arrivals not in ("poisson", "azure"):
+            raise typer.BadParameter("choose poisson or azure", param_hint="--arrivals")
+        dflt = PRESET_DEFAULTS.get(model.name, {"rps": "1,2,4"})
+        rps_list = parse_floats(rps or dflt["rps"], "--rps")
+        t_list = parse_floats(tightness_list, "--tightness-sweep") if tightness_list.strip() else []
+        mix_list = [m.strip() for m in mixes.split(",") if m.strip()]
+        try:
+            parse_mix(mix)
+            for m in mix_list:
+                parse_mix(m)
+        except WorkloadError as e:
+            raise typer.BadParameter(str(e), param_hint="--mix/--mix-sweep") from None
+        if quick:
+            requests = min(requests, 150)
+            if rps is None:
+                rps_list = sorted(rps_list)[:: max(1, len(rps_list) // 3)][:3]
+                if max(parse_floats(dflt["rps"], "--rps")) not in rps_list:
+                    rps_list[-1] = max(parse_floats(dflt["rps"], "--rps"))
+            t_list = [0.8, 1.0, 1.5] if tightness_list.strip() else []
+            mix_list = ["1:1:1", "1:0:0", "0:0:1"] if mix_list else []
+            sweep_requests = sweep_requests or 90
+        sw_n = sweep_requests or min(requests, 1500)
+        data_dir = resolve_data(data)
+        gparams = _parse_params(param)
+        ticks = count_runs(pols, rps_list, ablation, t_list, mix_list)
+        cols = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn())
+        try:
+            with Progress(*cols, transient=True) as prog:
+                prog.add_task("simulating", total=ticks)
+                res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
+                                    length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
+                                    mix_list, sw_n, sweep_rps, gparams, prog, baseline_admission)
+        except (WorkloadError, ValueError) as e:
+            raise typer.BadParameter(str(e)) from None
+        command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
+            f"jitflow bench sim --preset {preset} --out {out}")
+        write_sim_report(res, out, command)
+        con = Console()
+        top = str(max(rps_list))
+        h = res["headline"][top]
+        con.print(f"[bold]{model.name}[/bold] at {top} req/s: GMAX/best baseline ({h.get('best_baseline')}) "
+                  f"{_fmt(h.get('gmax_over_best_baseline'))}×, GMAX/oracle {_fmt(h.get('gmax_over_oracle'))}, "
+                  f"throughput vs FCFS {_fmt(h.get('gmax_throughput_over_fcfs'))}; wall {res['wall_s']:.0f} s")
+        con.print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots")

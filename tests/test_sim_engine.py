@@ -1,0 +1,135 @@
+"""Behaviour of the simulated engine (engine/sim.py) running the real policy core."""
+
+from __future__ import annotations
+
+import pytest
+
+from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
+from jitflow_server.bench.presets import StepModel
+from jitflow_server.bench.workload import CallSpec, DataSources, Job, make_workload
+from jitflow_server.engine.sim import SimConfig, SimEngine
+from jitflow_server.scheduler import make_policy
+
+SMALL = StepModel(name="test", base_s=0.01, per_decode_s=0.0005, per_prefill_token_s=0.0002, per_ctx_token_s=1e-7,
+                  hetero=0.1, kv_capacity_tokens=200_000, block_size=16, max_batched_tokens=1024,
+                  sarathi_chunk=256, batch_size=8)
+
+
+def _analyzer(model: StepModel, mode: str = "none") -> CompoundAnalyzer:
+    return CompoundAnalyzer(mode, DataSources.load(None), decode_s=model.decode_token_time(model.batch_size),
+                            prefill_s=model.per_prefill_token_s, length_scale=0.1)
+
+
+def _run(jobs, model=SMALL, policy="gmax", waiting_time=None, on_step=None, length="noisy", seed=0, **pp):
+    pol = make_policy(policy, **pp) if policy in ("gmax", "oracle") else make_policy(policy, delta_steps=50)
+    eng = SimEngine(model, pol, LengthBounder(length), _analyzer(model),
+                    SimConfig(waiting_time=waiting_time, seed=seed), on_step=on_step)
+    return eng.run(jobs)
+
+
+def _workload(n=60, rps=4.0, seed=3):
+    return make_workload(n, rps, seed=seed, length_scale=0.1)
+
+
+@pytest.mark.parametrize("policy", ["gmax", "fcfs", "sjf", "las"])
+def test_tokens_conserved_when_everything_finishes(policy):
+    jobs = _workload(n=40, rps=1.0)
+    out = _run(jobs, policy=policy)
+    by_id = {r["id"]: r for r in out["jobs"]}
+    for j in jobs:
+        rec = by_id[j.job_id]
+        assert not rec["rejected"]
+        assert rec["output_tokens"] == j.total_tokens[1]  # every call generated exactly its true length
+        assert rec["input_tokens"] == j.total_tokens[0]
+    if out["preemptions"] == 0:
+        assert out["prefill_tokens"] == sum(j.total_tokens[0] for j in jobs)
+
+
+def test_batch_size_and_kv_capacity_are_respected():
+    tight = StepModel(**{**SMALL.to_dict(), "kv_capacity_tokens": 6000, "name": "tight"})
+    seen = []
+    jobs = _workload(n=80, rps=20.0)
+    out = _run(jobs, model=tight, on_step=lambda t, s, n, used: seen.append((n, used)))
+    assert seen
+    cap_blocks = tight.kv_capacity_tokens // tight.block_size
+    assert max(n for n, _ in seen) <= tight.batch_size
+    assert max(u for _, u in seen) <= cap_blocks
+    assert out["kv_peak_blocks"] <= cap_blocks
+    assert max(n for n, _ in seen) == tight.batch_size  # the overload actually fills the batch
+
+
+def test_preempted_requests_pay_the_recompute_cost():
+    # KV so small that long generations must preempt each other (vLLM's recompute path)
+    tiny = StepModel(**{**SMALL.to_dict(), "kv_capacity_tokens": 1200, "name": "tiny", "batch_size": 4})
+    jobs = [Job(f"j{i}", "deadline", 0.01 * i, "batch", [[CallSpec(100, 300)]], deadline=1000.0) for i in range(6)]
+    out = _run(jobs, model=tiny, policy="fcfs")
+    assert out["preemptions"] > 0
+    inputs = sum(j.total_tokens[0] for j in jobs)
+    assert out["prefill_tokens"] > inputs  # recomputed prompt + generated tokens
+    roomy = _run(jobs, model=StepModel(**{**tiny.to_dict(), "kv_capacity_tokens": 100_000}), policy="fcfs")
+    assert roomy["preemptions"] == 0
+    assert roomy["prefill_tokens"] == inputs
+    assert out["makespan"] > roomy["makespan"]
+    assert [r["output_tokens"] for r in out["jobs"]] == [300] * 6
+
+
+def test_identical_seeds_give_identical_results():
+    jobs = _workload(n=50, rps=6.0, seed=11)
+    a = _run(jobs, seed=5)
+    b = _run(_workload(n=50, rps=6.0, seed=11), seed=5)
+    assert a["jobs"] == b["jobs"]
+    assert a["makespan"] == b["makespan"] and a["steps"] == b["steps"]
+
+
+def test_gmax_beats_fcfs_on_a_handmade_overload():
+    # B = 4 slots held by long loose-deadline requests; short tight-deadline requests arrive just after.
+    model = StepModel(**{**SMALL.to_dict(), "batch_size": 4, "name": "b4"})
+    jobs = [Job(f"long{i}", "deadline", 0.0, "batch", [[CallSpec(50, 400)]], deadline=100.0) for i in range(4)]
+    jobs += [Job(f"short{i}", "deadline", 0.2 + 0.01 * i, "batch", [[CallSpec(50, 20)]], deadline=2.0)
+             for i in range(4)]
+    res = {}
+    for pol in ("gmax", "fcfs"):
+        out = _run(jobs, model=model, policy=pol, length="oracle")
+        res[pol] = {r["id"]: r for r in out["jobs"]}
+    short_met = {p: sum(res[p][f"short{i}"]["slo_met"] for i in range(4)) for p in res}
+    assert short_met["fcfs"] == 0  # stuck behind ~400 steps of the long requests
+    assert short_met["gmax"] == 4
+    assert all(res["gmax"][f"long{i}"]["slo_met"] for i in range(4))  # still inside their loose deadline
+    good = {p: sum(r["goodput"] for r in res[p].values()) for p in res}
+    assert good["gmax"] > good["fcfs"]
+
+
+def test_admission_control_rejects_unscheduled_requests():
+    model = StepModel(**{**SMALL.to_dict(), "batch_size": 2, "name": "b2"})
+    jobs = [Job(f"j{i}", "deadline", 0.0, "batch", [[CallSpec(50, 500)]], deadline=1000.0) for i in range(6)]
+    out = _run(jobs, model=model, policy="fcfs", waiting_time=1.0)
+    rej = [r for r in out["jobs"] if r["rejected"]]
+    assert len(rej) == 4  # two run (500 steps ≫ 1 s), four are never admitted within 1 s
+    assert all(r["goodput"] == 0 and r["output_tokens"] == 0 for r in rej)
+
+
+def test_compound_tasks_run_stages_in_order_with_subdeadlines():
+    job = Job("t", "compound", 0.0, "tot", [[CallSpec(30, 10)], [CallSpec(30, 10)] * 3, [CallSpec(40, 5)]],
+              deadline=60.0, tool_time=0.5)
+    model = SMALL
+    pol = make_policy("gmax")
+    seen_views = []
+    orig = pol.schedule
+
+    def spy(views, ctx):
+        seen_views.extend((v.req_id, v.stage_index, v.sub_deadline, ctx.now) for v in views)
+        return orig(views, ctx)
+
+    pol.schedule = spy  # type: ignore[method-assign]
+    an = CompoundAnalyzer("pattern", DataSources.load(None), decode_s=0.02, prefill_s=0.0002, length_scale=0.1)
+    out = SimEngine(model, pol, LengthBounder("oracle"), an, SimConfig(waiting_time=None)).run([job])
+    rec = out["jobs"][0]
+    assert rec["slo_met"] and rec["goodput"] == sum(job.total_tokens) and rec["calls"] == 5
+    stages = {}
+    for rid, s, sd, now in seen_views:
+        stages.setdefault(s, []).append((now, sd))
+    assert sorted(stages) == [0, 1, 2]
+    assert min(n for n, _ in stages[1]) >= max(n for n, _ in stages[0]) + 0.5 - 1e-9  # tool time between stages
+    sds = [stages[s][0][1] for s in (0, 1, 2)]
+    assert all(sd is not None for sd in sds)
+    assert sds[0] <= sds[1] <= sds[2] <= 60.0 + 1e-9  # accumulated shares are non-decreasing
