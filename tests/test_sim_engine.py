@@ -126,7 +126,7 @@ def test_compound_tasks_run_stages_in_order_with_subdeadlines():
     rec = out["jobs"][0]
     assert rec["slo_met"] and rec["goodput"] == sum(job.total_tokens) and rec["calls"] == 5
     stages = {}
-    for rid, s, sd, now in seen_views:
+    for _rid, s, sd, now in seen_views:
         stages.setdefault(s, []).append((now, sd))
     assert sorted(stages) == [0, 1, 2]
     assert min(n for n, _ in stages[1]) >= max(n for n, _ in stages[0]) + 0.5 - 1e-9  # tool time between stages

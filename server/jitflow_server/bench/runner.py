@@ -91,11 +91,12 @@ def build_policy(variant: str, st: RunSettings):
 
 
 def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings, data: DataSources,
-                analyzers: dict | None = None) -> dict:
+                analyzers: dict | None = None, refine_bounds: bool = True) -> dict:
     """Simulate ``jobs`` under ``variant``; returns :func:`summarize` metrics plus run info.
 
     ``analyzers`` caches :class:`CompoundAnalyzer` objects per mode across calls (building one loads
-    and indexes the history). Raises ``ValueError`` for an unknown variant.
+    and indexes the history). ``refine_bounds=False`` keeps each call's first length bound (as the
+    HTTP replay of the fidelity run, which cannot refine). Raises ``ValueError`` for an unknown variant.
     """
     check_variants([variant])
     an_mode, len_mode = st.analyzer, st.length_bound
@@ -110,7 +111,8 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
                                               prefill_s=model.per_prefill_token_s, length_scale=st.length_scale)
     an = analyzers[an_mode]
     an.match_ms.clear()
-    bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile)
+    bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile,
+                            refine_every=50 if refine_bounds else 10**9)
     if len_mode == "average":
         bounder.fit_averages(jobs)
     pol = build_policy(variant, st)

