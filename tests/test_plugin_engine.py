@@ -51,9 +51,9 @@ class Hog:
 
 
 def _probe(url: str, deadline: float, max_tokens: int = 40) -> dict:
-    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+    r = httpx.post(url + "/v1/chat/completions", timeout=400, json={
         "model": "tiny", "messages": [{"role": "user", "content": "quick"}], "max_tokens": max_tokens,
-        "ignore_eos": True, "slo": {"kind": "deadline", "deadline": deadline, "waiting_time": 60}})
+        "ignore_eos": True, "slo": {"kind": "deadline", "deadline": deadline, "waiting_time": 300}})
     assert r.status_code == 200, r.text
     return r.json()["jitflow"]
 

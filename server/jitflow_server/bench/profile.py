@@ -33,7 +33,7 @@ async def _batch(base_url: str, model: str, n: int, ctxs: list[int], gen: int, s
     rng = np.random.default_rng(seed)
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(ctx: int) -> dict:
-            body = {"model": model, "prompt": rng.integers(10, 4000, size=ctx).tolist(), "max_tokens": gen,
+            body = {"model": model, "prompt": rng.integers(10, 2000, size=ctx).tolist(), "max_tokens": gen,
                     "ignore_eos": True, "temperature": 0.0}
             r = await client.post(base_url + "/v1/completions", json=body)
             if r.status_code != 200:

@@ -138,7 +138,7 @@ class ServerProcess:
             time.sleep(0.5)
 
 
-def _prompt(rng: np.random.Generator, n: int, vocab: int = 4000) -> list[int]:
+def _prompt(rng: np.random.Generator, n: int, vocab: int = 2000) -> list[int]:
     return rng.integers(10, vocab, size=max(1, n)).tolist()
 
 

@@ -14,7 +14,7 @@ import typer
 DEFAULT_POLICIES = "gmax,gmax-age,fcfs,sarathi,sjf,las,edf,oracle"
 PRESET_DEFAULTS = {
     "a100-llama8b": {"rps": "1,2,3,4,6", "length_scale": 1.0, "max_context": None},
-    "cpu-demo": {"rps": "0.25,0.5,1,1.5,2", "length_scale": 0.0625, "max_context": 8192},
+    "cpu-demo": {"rps": "0.5,1,2,3,4", "length_scale": 0.0625, "max_context": 8000},
 }
 SWEEP_POLICIES = ("gmax", "gmax-age", "sarathi", "edf", "sjf", "las")
 

@@ -253,3 +253,51 @@ def load_demo_tokenizer(variant: str = "demo"):
             build_tokenizer(tok_dir, VARIANTS[variant].vocab_size)
         path = tok_dir / "tokenizer.json"
     return Tokenizer.from_file(str(path))
+
+
+def measure_step_times(variant: str = "demo", batches: tuple[int, ...] = (1, 8, 32, 64), decode_tokens: int = 64,
+                       prompt_len: int = 32, prefill_lens: tuple[int, ...] = (1024,)) -> dict:
+    """Measure vLLM decode-step and prefill times of a demo model on this machine (in-process engine).
+
+    For each batch size B, B prompts of ``prompt_len`` tokens each generate ``decode_tokens`` tokens
+    (``ignore_eos``); the decode step time is the median gap between consecutive steps' outputs. Prefill
+    time is the time to first token of a single prompt of each length in ``prefill_lens``.
+
+    Returns:
+        ``{"variant", "parameters", "decode_step_ms": {B: ms}, "prefill_ms": {tokens: ms}, "startup_s"}``.
+        Must run under an ``if __name__ == "__main__"`` guard or a CLI (vLLM may spawn processes).
+    """
+    import os
+    import statistics
+    import time as _time
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+
+    path = build_demo_model(variant)
+    t0 = _time.time()
+    llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=4096, max_num_seqs=max(batches),
+              max_num_batched_tokens=4096, seed=0)
+    startup = _time.time() - t0
+    engine = llm.llm_engine
+    decode: dict[int, float] = {}
+    for b in batches:
+        sp = SamplingParams(max_tokens=decode_tokens, ignore_eos=True, temperature=0)
+        for i in range(b):
+            engine.add_request(f"d{b}-{i}", {"prompt_token_ids": [5 + (i + j) % 200 for j in range(prompt_len)]}, sp)
+        stamps = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            stamps.append(_time.perf_counter())
+        gaps = [y - x for x, y in zip(stamps[1:], stamps[2:])]  # skip the prefill step
+        decode[b] = round(statistics.median(gaps) * 1e3, 2)
+    prefill: dict[int, float] = {}
+    for n in prefill_lens:
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        t1 = _time.perf_counter()
+        llm.generate([{"prompt_token_ids": [7 + j % 300 for j in range(n)]}], sp, use_tqdm=False)
+        prefill[n] = round((_time.perf_counter() - t1) * 1e3, 1)
+    meta = json.loads((path / "jitflow-demo.json").read_text())
+    return {"variant": variant, "parameters": meta["parameters"], "spec": meta["spec"], "decode_step_ms": decode,
+            "prefill_ms": prefill, "startup_s": round(startup, 1)}
