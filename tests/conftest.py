@@ -49,6 +49,7 @@ def server_proc(tmp_path_factory):
     env["JITFLOW_HISTORY_DB"] = str(tmp / "history.sqlite")
     env["JITFLOW_OTEL_EXPORTER"] = f"file:{tmp / 'spans.jsonl'}"
     env["JITFLOW_TELEMETRY"] = str(tmp / "telemetry.jsonl")
+    env["JITFLOW_LENGTH_TELEMETRY"] = str(tmp / "length.jsonl")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     exe = Path(sys.executable).with_name("jitflow")
     cmd = [str(exe), "serve", "--model", "tiny", "--port", str(port), "--policy", "gmax",
@@ -83,7 +84,8 @@ def server_proc(tmp_path_factory):
 def server_files(server_proc) -> dict[str, Path]:
     """Files the session server writes: history DB, exported spans (JSON lines), call telemetry."""
     tmp = server_proc[2].parent
-    return {"db": tmp / "history.sqlite", "spans": tmp / "spans.jsonl", "telemetry": tmp / "telemetry.jsonl"}
+    return {"db": tmp / "history.sqlite", "spans": tmp / "spans.jsonl", "telemetry": tmp / "telemetry.jsonl",
+            "length": tmp / "length.jsonl"}
 
 
 @pytest.fixture(scope="session")

@@ -178,3 +178,23 @@ def test_health_and_engine_stats(server_url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
     r = httpx.post(server_url + "/v1/jitflow/policy", json={"name": "gmax", "params": {"bogus": 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "params"
+
+
+def test_length_predictor_sees_observed_lengths(server_url, server_files):
+    """Requests without a known length get a predicted bound; their observed length is recorded."""
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 60})
+    assert r.status_code == 200
+    body = r.json()
+    n = body["usage"]["completion_tokens"]
+    assert 1 <= body["jitflow"]["len_bound"] <= 60
+    deadline = time.time() + 10
+    recs = []
+    while time.time() < deadline:
+        if server_files["length"].exists():
+            recs = [json.loads(x) for x in server_files["length"].read_text().splitlines()]
+            if recs:
+                break
+        time.sleep(0.1)
+    assert recs and recs[-1]["output_len"] == n and recs[-1]["max_tokens"] == 60
+    st = httpx.get(server_url + "/v1/jitflow/engine").json()["length_predictor"]
+    assert st["submitted"] >= 1 and st["observed"] >= 1 and st["errors"] == 0

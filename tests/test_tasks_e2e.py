@@ -96,6 +96,10 @@ def test_three_stage_task_is_stored_as_one_pattern_graph(server_url, server_file
         assert tool.stage == 1 and (tool.duration or (tool.end - tool.start)) >= 0.04
     finally:
         store.close()
+    # the observed call lengths went to the length predictor's training telemetry
+    recs = [json.loads(x) for x in server_files["telemetry"].read_text().splitlines()]
+    mine = [r for r in recs if r["app"] == APP]
+    assert sorted(r["output_len"] for r in mine[-5:]) == [8, 12, 12, 16, 16]
 
 
 def test_sub_deadlines_follow_the_matched_pattern(server_url, server_files):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -222,7 +223,8 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         if settings.length_predictor:
             from jitflow_server.analyzer.length_service import LengthService
 
-            state.length = await asyncio.to_thread(LengthService.from_default_model)
+            tele = os.environ.get("JITFLOW_LENGTH_TELEMETRY") or None
+            state.length = await asyncio.to_thread(lambda: LengthService.from_default_model(telemetry_path=tele))
         pusher = asyncio.create_task(state.push_bounds())
         try:
             yield

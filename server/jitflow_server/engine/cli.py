@@ -89,6 +89,9 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
         length_predictor: bool = typer.Option(True, help="Use the QRF length predictor "
                                               "($JITFLOW_LENGTH_MODEL or ~/.cache/jitflow/models/length-qrf.pkl; "
                                               "falls back to running per-app quantiles when absent)."),
+        length_telemetry: Optional[Path] = typer.Option(None, help="Append one JSONL record per finished "
+                                                        "request (prompt features + observed length) for "
+                                                        "`jitflow analyzer train-length` (env JITFLOW_LENGTH_TELEMETRY)."),
         log_level: str = typer.Option("warning", help="uvicorn log level."),
     ) -> None:
         """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
@@ -117,6 +120,8 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
             raise typer.BadParameter(str(exc), param_hint="--model") from None
         if history_db is not None:
             os.environ["JITFLOW_HISTORY_DB"] = str(history_db)
+        if length_telemetry is not None:
+            os.environ["JITFLOW_LENGTH_TELEMETRY"] = str(length_telemetry)
         if patterns:
             os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
         name = served_name or (model if model in VARIANTS else path.name)
