@@ -278,7 +278,7 @@ async def fetch_server_view(client: jitflow.AsyncClient, report: TaskReport) -> 
         return
     try:
         view = await client.get_task(report.task_id)
-    except (jitflow.APIStatusError, jitflow.APIConnectionError, jitflow.APIError):
+    except jitflow.APIError:
         return
     if not isinstance(view, dict):
         return

@@ -18,13 +18,14 @@ def test_bench_sim_writes_results_and_plots(tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     assert set(res["main"]) == {"0.5", "2.0"}
-    for runs in res["main"].values():
+    for k, runs in res["main"].items():
         assert set(runs) == {"gmax", "fcfs", "oracle"}
+        wl = res["workloads"][k]
         for m in runs.values():
             assert m["jobs"] == 24
             assert 0.0 <= m["slo_attainment"] <= 1.0
-            assert m["goodput_tokens"] <= m["output_tokens"] + sum(
-                w for w in [res["workloads"]["0.5"]["input_tokens"]])
+            assert m["goodput_tokens"] <= wl["input_tokens"] + wl["output_tokens"]
+            assert m["output_tokens"] <= wl["output_tokens"]
             assert set(m["per_kind"]) <= {"latency", "deadline", "compound"}
             assert "frame_ms_p50" in m
     assert "gmax_over_oracle" in res["headline"]["2.0"]

@@ -165,3 +165,20 @@ def test_corpus_file_is_valid_jsonl():
     path = REPO / "examples" / "deep_research" / "corpus.jsonl"
     ids = [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
     assert len(ids) == len(set(ids))
+
+
+def test_pattern_corpora_load_and_use_the_apps_stage_names():
+    from jitflow_server.analyzer.patterns import read_jsonl
+
+    dr = list(read_jsonl(REPO / "patterns" / "deep-research.jsonl"))
+    tot = list(read_jsonl(REPO / "patterns" / "tree-of-thoughts.jsonl"))
+    assert len(dr) >= 20 and len(tot) >= 20
+    for g in dr:
+        assert g.app == "deep-research" and g.n_stages in (4, 6)
+        assert g.stage_names[0] == "generate_query" and g.stage_names[-1] == "finalize_answer"
+        assert set(g.stage_names[1:-1]) == {"web_research", "reflection"}
+        assert {n.name for n in g.nodes if n.kind == "tool"} == {"web_search"}
+    for g in tot:
+        assert g.app == "tree-of-thoughts" and g.stage_names == ["propose", "evaluate"] * 3 + ["answer"]
+    for g in dr + tot:
+        assert g.is_complete and all(n.exec_time() is not None for n in g.nodes)

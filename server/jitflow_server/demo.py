@@ -16,7 +16,8 @@ otherwise a built-in prompt set and Poisson arrivals are used. The report gives 
 attainment and goodput (tokens, DESIGN.md §3), per task its stages with sub-deadlines (from
 ``GET /v1/tasks/{id}``) and outcome; it is written as JSON and a PNG. ``--compare fcfs`` replays
 the same load (same prompts, arrival times, tasks) on the same server after switching the policy
-(``POST /v1/jitflow/policy``) and prints the goodput ratio. The server is always stopped.
+(``POST /v1/jitflow/policy``) and prints the goodput ratio (the second run's pattern history also
+holds the first run's tasks). The server is always stopped (process-group kill).
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ class DemoConfig:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must satisfy 1 <= min <= max, got {(lo, hi)}")
+
+
+def scaled_tasks(per_120s: int, duration: float) -> int:
+    """``per_120s`` tasks per 120 s of load, scaled to ``duration`` (at least 1)."""
+    return max(1, round(per_120s * duration / 120.0))
 
 
 # ---------------------------------------------------------------------- built-in load
@@ -528,7 +534,7 @@ async def _run_request(client: Any, job: Job, cfg: DemoConfig, model: str) -> Re
             timing, usage = r.jitflow, r.usage
     except jitflow.AdmissionRejectedError as e:
         return ReqRecord(job.kind, job.t, "rejected", error=str(e)[:200])
-    except jitflow.APIError as e:
+    except Exception as e:  # jitflow.APIError and anything unexpected: counted, never fatal to the demo
         return ReqRecord(job.kind, job.t, "error", error=f"{type(e).__name__}: {e}"[:200])
     rec = ReqRecord(job.kind, job.t, "ok")
     if usage is not None:
@@ -849,6 +855,9 @@ def run_demo(
     plot = plot or out.with_suffix(".png")
     if patterns is None:
         patterns = sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
+    if _import_examples()[0] is None and (cfg.research_tasks or cfg.tot_tasks):
+        console.print("[yellow]warning:[/yellow] the examples/ package is not importable (run from a source "
+                      "checkout); running without compound tasks")
     server: ServerProcess | None = None
     tmp = tempfile.TemporaryDirectory(prefix="jitflow-demo-")
     t_start = time.monotonic()
@@ -974,8 +983,10 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Seed of the load plan."),
         chat_rate: float = typer.Option(0.4, help="Streaming chat arrivals per second."),
         deadline_rate: float = typer.Option(0.2, help="Deadline-request arrivals per second."),
-        research_tasks: int = typer.Option(5, help="Deep-research tasks."),
-        tot_tasks: int = typer.Option(6, help="Tree-of-Thoughts tasks."),
+        research_tasks: Optional[int] = typer.Option(None, help="Deep-research tasks (default: 5 per 120 s of "
+                                                     "load, at least 1)."),
+        tot_tasks: Optional[int] = typer.Option(None, help="Tree-of-Thoughts tasks (default: 6 per 120 s of "
+                                                "load, at least 1)."),
         research_deadline: float = typer.Option(60.0, help="Deep-research task deadline (s)."),
         tot_deadline: float = typer.Option(45.0, help="Tree-of-Thoughts task deadline (s)."),
         ttft: float = typer.Option(2.0, help="Chat TTFT SLO (s)."),
@@ -998,6 +1009,10 @@ def register(app: typer.Typer) -> None:
             for p in patterns:
                 if not p.is_file():
                     raise typer.BadParameter(f"no such file: {p}", param_hint="--patterns")
+        if research_tasks is None:
+            research_tasks = scaled_tasks(5, duration)
+        if tot_tasks is None:
+            tot_tasks = scaled_tasks(6, duration)
         cfg = DemoConfig(duration=duration, chat_rate=chat_rate, deadline_rate=deadline_rate,
                          research_tasks=research_tasks, tot_tasks=tot_tasks, research_deadline=research_deadline,
                          tot_deadline=tot_deadline, ttft=ttft, tbt=tbt, deadline=deadline, grace=grace, seed=seed)
