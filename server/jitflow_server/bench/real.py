@@ -143,7 +143,12 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int = 2000) -> list[int]:
 
 
 async def _post(client, url: str, body: dict) -> tuple[int, dict]:
-    r = await client.post(url, json=body)
+    import httpx
+
+    try:
+        r = await client.post(url, json=body)
+    except httpx.HTTPError as e:  # connection lost (e.g. the engine died): recorded as an error
+        return 599, {"error": f"{type(e).__name__}: {e}"}
     try:
         return r.status_code, r.json()
     except ValueError:

@@ -45,6 +45,7 @@ class RunSettings:
     waiting_time: float | None = 5.0
     baseline_admission: bool = False
     baseline_delta: int = 50
+    age_boost: bool = False
     gmax_params: dict = field(default_factory=dict)
     length_scale: float = 1.0
     seed: int = 0
@@ -86,6 +87,13 @@ def build_policy(variant: str, st: RunSettings):
         return AgeBoostGMAX.make(**dict(st.gmax_params))
     base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax"}.get(variant, variant)
     if base in ("gmax", "gmax-jit", "oracle"):
+        if st.age_boost:  # the proposed δ fix applied to every GMAX-family variant
+            prm = dict(st.gmax_params)
+            if base == "gmax-jit":
+                prm.setdefault("jit", True)
+            if base == "oracle":
+                prm.setdefault("use_true_len", True)
+            return AgeBoostGMAX.make(**prm)
         return make_policy(base, **dict(st.gmax_params))
     return make_policy(base, delta_steps=st.baseline_delta)
 

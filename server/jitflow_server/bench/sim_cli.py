@@ -72,7 +72,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                   analyzer: str, batch_size: Optional[int], waiting_time: float, length_scale: Optional[float],
                   ablation: bool, tightness_list: list[float], mixes: list[str], sweep_requests: int,
                   sweep_rps: Optional[float], gmax_params: dict, progress=None,
-                  baseline_admission: bool = False) -> dict:
+                  baseline_admission: bool = False, age_boost: bool = False) -> dict:
     """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring)."""
     from jitflow_server.bench.presets import load_preset
     from jitflow_server.bench.runner import RunSettings, run_sim_one
@@ -84,7 +84,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     data = DataSources.load(data_dir)
     st = RunSettings(analyzer=analyzer, length_bound=length_bound, batch_size=batch_size,
                      waiting_time=waiting_time if waiting_time > 0 else None, length_scale=ls, seed=seed,
-                     gmax_params=gmax_params, baseline_admission=baseline_admission)
+                     gmax_params=gmax_params, baseline_admission=baseline_admission, age_boost=age_boost)
     mix_w = parse_mix(mix)
     analyzers: dict = {}
     t0 = time.time()
@@ -101,7 +101,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                             "rps": rps_list, "requests": n_requests, "seed": seed, "arrivals": arrivals, "mix": mix,
                             "tightness": tightness, "length_bound": length_bound, "analyzer": analyzer,
                             "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time,
-                            "baseline_admission": baseline_admission,
+                            "baseline_admission": baseline_admission, "age_boost": age_boost,
                             "length_scale": ls, "data": data.origin, "gmax_params": gmax_params},
                  "main": {}, "workloads": {}}
     for rps in rps_list:
@@ -176,7 +176,8 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
          f"{cfg['arrivals']}, SLO tightness {cfg['tightness']}, length bounds `{cfg['length_bound']}`, analyzer "
          f"`{cfg['analyzer']}`, B = {cfg['batch_size']}, waiting_time {cfg['waiting_time']} s "
          f"({'all policies' if cfg.get('baseline_admission') else 'GMAX variants only'}), length scale "
-         f"{cfg['length_scale']}, seed {cfg['seed']}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", "",
+         f"{cfg['length_scale']}, seed {cfg['seed']}, δ aged from arrival for all GMAX variants: "
+         f"{cfg.get('age_boost', False)}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", "",
          "## Headline (targets of issue 6)", "",
          "| RPS | GMAX / best baseline (token) | best baseline | GMAX / best baseline (request) | GMAX / oracle | "
          "GMAX throughput / FCFS | gmax-age / best baseline | gmax-age / oracle | gmax-age thr. / FCFS |",
@@ -265,6 +266,9 @@ def register(bench_app: typer.Typer) -> None:
         analyzer: str = typer.Option("pattern", "--analyzer", help="pattern | none (average-based fallback)."),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="B (default: the preset's)."),
         waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
+        age_boost: bool = typer.Option(False, "--age-boost/--no-age-boost",
+                                       help="Apply the proposed δ fix (boost aged from arrival, as gmax-age) to "
+                                       "every GMAX-family variant (gmax, oracle, gmax-noanalyzer, gmax-jit)."),
         baseline_admission: bool = typer.Option(False, "--baseline-admission/--no-baseline-admission",
                                                 help="Apply the waiting_time admission control to the baselines "
                                                 "too (default: only to GMAX variants, as in the paper)."),
@@ -336,7 +340,7 @@ def register(bench_app: typer.Typer) -> None:
                 prog.add_task("simulating", total=ticks)
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
-                                    mix_list, sw_n, sweep_rps, gparams, prog, baseline_admission)
+                                    mix_list, sw_n, sweep_rps, gparams, prog, baseline_admission, age_boost)
         except (WorkloadError, ValueError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
