@@ -39,36 +39,30 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-@pytest.fixture(scope="session")
-def server_proc(tmp_path_factory):
-    """Start `jitflow serve --model tiny --policy gmax` and yield (url, Popen, log path)."""
-    tmp = tmp_path_factory.mktemp("server")
-    port = free_port()
-    log = tmp / "server.log"
-    env = dict(os.environ)
-    env["JITFLOW_HISTORY_DB"] = str(tmp / "history.sqlite")
-    env["JITFLOW_OTEL_EXPORTER"] = f"file:{tmp / 'spans.jsonl'}"
-    env["JITFLOW_TELEMETRY"] = str(tmp / "telemetry.jsonl")
-    env["JITFLOW_LENGTH_TELEMETRY"] = str(tmp / "length.jsonl")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    exe = Path(sys.executable).with_name("jitflow")
-    cmd = [str(exe), "serve", "--model", "tiny", "--port", str(port), "--policy", "gmax",
-           "--batch-size", str(DEFAULT_BATCH), "--max-model-len", "4096", "--kv-cache-gib", "1"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+@contextlib.contextmanager
+def running_server(cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 420):
+    """Run a server command in its own process group until ``/health`` answers 200; yield (url, Popen).
+
+    The port must be in ``cmd`` after ``--port``. The whole process group is terminated on exit
+    (vLLM spawns an engine-core and a worker process), killed if it does not stop within 30 s.
+    """
+    port = cmd[cmd.index("--port") + 1]
     url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env or dict(os.environ),
+                                start_new_session=True)
     try:
         t0 = time.time()
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"jitflow serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+                raise RuntimeError(f"{cmd[1]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
-            if time.time() - t0 > 420:
-                raise RuntimeError(f"jitflow serve did not become healthy:\n{log.read_text()[-4000:]}")
+            if time.time() - t0 > timeout:
+                raise RuntimeError(f"{cmd[1]} did not become healthy:\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        yield url, proc, log
+        yield url, proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -78,6 +72,28 @@ def server_proc(tmp_path_factory):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def jitflow_exe() -> str:
+    """The ``jitflow`` console script of the running interpreter's environment."""
+    return str(Path(sys.executable).with_name("jitflow"))
+
+
+@pytest.fixture(scope="session")
+def server_proc(tmp_path_factory):
+    """Start `jitflow serve --model tiny --policy gmax` and yield (url, Popen, log path)."""
+    tmp = tmp_path_factory.mktemp("server")
+    log = tmp / "server.log"
+    env = dict(os.environ)
+    env["JITFLOW_HISTORY_DB"] = str(tmp / "history.sqlite")
+    env["JITFLOW_OTEL_EXPORTER"] = f"file:{tmp / 'spans.jsonl'}"
+    env["JITFLOW_TELEMETRY"] = str(tmp / "telemetry.jsonl")
+    env["JITFLOW_LENGTH_TELEMETRY"] = str(tmp / "length.jsonl")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--policy", "gmax",
+           "--batch-size", str(DEFAULT_BATCH), "--max-model-len", "4096", "--kv-cache-gib", "1"]
+    with running_server(cmd, log, env) as (url, proc):
+        yield url, proc, log
 
 
 @pytest.fixture(scope="session")

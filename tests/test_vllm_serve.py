@@ -2,55 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, jitflow_exe, running_server
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    exe = Path(sys.executable).with_name("jitflow")
-    cmd = [str(exe), "vllm-serve", "--model", "tiny", "--port", str(port), "--policy", "gmax",
+    cmd = [jitflow_exe(), "vllm-serve", "--model", "tiny", "--port", str(free_port()), "--policy", "gmax",
            "--batch-size", "2", "--max-model-len", "4096"]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm-serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.time() - t0 > 420:
-                raise RuntimeError(f"vllm-serve not healthy:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    with running_server(cmd, log, dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")) as (url, _):
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 def test_vllm_server_with_plugin_follows_gmax(vllm_url):
