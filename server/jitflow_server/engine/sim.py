@@ -225,7 +225,7 @@ class SimEngine:
             waiting[c.rid] = c
 
         def finish_call(c: _Call, now: float, ok: bool) -> None:
-            nonlocal dirty
+            nonlocal dirty, seq
             c.done = True
             free(c)
             live.pop(c.rid, None)
@@ -263,7 +263,6 @@ class SimEngine:
                     js.done, js.end = True, now
                 else:
                     js.stage += 1
-                    nonlocal seq
                     heapq.heappush(heap, (now + job.tool_time, seq, js))
                     seq += 1
 

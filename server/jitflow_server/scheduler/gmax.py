@@ -50,6 +50,11 @@ class GMAXParams:
       online adaptation of p (see :class:`CutoffAdapter`).
     - ``starvation_delta`` [0.02]: δ, goodput inflation per frame waited, as a fraction of the
       request's base goodput R (App. C eq. 1); the paper's "small additive constant δ per frame".
+      ``starvation_clock`` ["arrival"]: frames are counted since the request's arrival (its age), so
+      running and waiting requests of the same age rank alike; "served" counts frames since the
+      request was last in a batch, which under overload lets every waiting request outrank the
+      running ones after one frame and makes the batch rotate (recompute thrashing; measured in
+      the simulator: 29–47 % of FCFS throughput, docs/benchmarks.md).
     - ``fairness`` [0.0]: f of ``(1−f)·priority + f·Fair(r)`` (§4.3); 0 disables the blend.
     - ``fair_fn`` [None]: ``(snapshot, ctx) -> array in [0, 1]`` (1 = most deserving); default is
       ``1 − attained/max(attained)`` (least attained service first, VTC-like).
@@ -97,6 +102,7 @@ class GMAXParams:
     jit_fill: float = 0.01
     use_true_len: bool = False
     full_priorities: bool = False
+    starvation_clock: str = "arrival"
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -113,6 +119,8 @@ class GMAXParams:
             raise ValueError(f"best_effort_deadline must be > 0 s, got {self.best_effort_deadline}")
         if self.compound_feasibility not in ("task", "stage"):
             raise ValueError(f"compound_feasibility must be 'task' or 'stage', got {self.compound_feasibility!r}")
+        if self.starvation_clock not in ("arrival", "served"):
+            raise ValueError(f"starvation_clock must be 'arrival' or 'served', got {self.starvation_clock!r}")
         if self.compound_priority not in ("aggregate", "slowest"):
             raise ValueError(f"compound_priority must be 'aggregate' or 'slowest', got {self.compound_priority!r}")
         if self.preempt_margin < 0:
@@ -405,7 +413,8 @@ class GMAXPolicy:
         n, b = snap.n, ctx.batch_size
         if n == 0:
             return Decision([], [], {}, self.frame_id, {"p": self.p})
-        prio, est = self.score(snap, ctx, self._cache.served[snap.rows])
+        served = self._cache.served[snap.rows] if self.params.starvation_clock == "served" else None
+        prio, est = self.score(snap, ctx, served)
         self.last_estimates = est
         p = self.p
         win, info = select_window(prio, snap.input_len, b, p)
