@@ -56,6 +56,9 @@ def test_pause_instead_of_preempt_when_kv_fits():
     kv = int(2 * k_star)
     roomy = policy().schedule([running(kv), waiting()], ctx(kv_capacity_tokens=10**7))
     assert roomy.batch == ["W"] and roomy.preempt == []  # R keeps its KV, paused this frame
+    # free_pause=False prices the pause like a recompute: R (above break-even) stays.
+    priced = policy(free_pause=False).schedule([running(kv), waiting()], ctx(kv_capacity_tokens=10**7))
+    assert priced.batch == ["R"] and priced.preempt == []
     tight = policy().schedule([running(kv), waiting()], ctx(kv_capacity_tokens=kv + 10))
     assert tight.batch == ["R"] and tight.preempt == []
 

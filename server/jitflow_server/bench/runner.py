@@ -7,7 +7,9 @@
   ``oracle`` always gets true lengths and the task's own graph (JITServe*);
 - ``gmax-noanalyzer``: GMAX with ``--analyzer none`` and average length bounds (Fig. 17 "w/o analyzer");
 - ``sjf-analyzer``: the Fig. 17 "w/o GMAX" variant (SJF on the analyzer's estimates; identical to
-  ``sjf`` with the default analyzer, listed separately for the ablation table).
+  ``sjf`` with the default analyzer, listed separately for the ablation table);
+- ``gmax-age`` / ``gmax-served``: GMAX with δ's frames counted from arrival (the core's default) or
+  since the request was last served (the earlier rule, which thrashes under overload).
 
 Baselines run frames of ``baseline_delta`` decode steps (default Δ = 50, like GMAX) plus a new
 frame on every arrival/finish: they re-rank exactly when their order can change through an
@@ -29,7 +31,7 @@ from jitflow_server.bench.workload import DataSources, Job
 from jitflow_server.engine.sim import SimConfig, SimEngine
 from jitflow_server.scheduler import POLICY_NAMES, make_policy
 
-EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age")
+EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age", "gmax-served")
 VARIANTS = (*POLICY_NAMES, *EXTRA_VARIANTS)
 
 
@@ -63,37 +65,22 @@ def check_variants(names: list[str]) -> None:
         raise ValueError(f"unknown policies {bad}; valid: {', '.join(VARIANTS)}")
 
 
-class AgeBoostGMAX:
-    """Factory of the ``gmax-age`` experiment: GMAX whose δ anti-starvation boost counts frames since
-    *arrival* instead of since the request was last in a batch (a one-line change of
-    ``GMAXPolicy.score``'s ``last_served`` argument, proposed to the core; see docs/benchmarks.md).
-    With the core's "since last served" rule, a demoted (infeasible) waiting request outranks every
-    demoted running one after a single frame, so the batch rotates among demoted requests."""
-
-    @staticmethod
-    def make(**params):
-        from jitflow_server.scheduler.gmax import GMAXPolicy
-
-        class _Age(GMAXPolicy):
-            def score(self, snap, ctx, last_served=None):  # type: ignore[override]
-                return super().score(snap, ctx, None)
-
-        return _Age(name="gmax-age", **params)
+def _gmax_with_clock(name: str, clock: str, **params):
+    """GMAX-family policy with an explicit δ clock (``GMAXParams.starvation_clock``)."""
+    params.setdefault("starvation_clock", clock)
+    return make_policy(name, **params)
 
 
 def build_policy(variant: str, st: RunSettings):
     """The policy object of ``variant`` (GMAX family with ``st.gmax_params``; baselines with Δ)."""
-    if variant == "gmax-age":
-        return AgeBoostGMAX.make(**dict(st.gmax_params))
+    if variant == "gmax-age":  # δ counted from arrival (the core's default since the thrashing fix)
+        return _gmax_with_clock("gmax", "arrival", **dict(st.gmax_params))
+    if variant == "gmax-served":  # the earlier rule: δ counted since last served (recompute thrashing)
+        return _gmax_with_clock("gmax", "served", **dict(st.gmax_params))
     base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax"}.get(variant, variant)
     if base in ("gmax", "gmax-jit", "oracle"):
-        if st.age_boost:  # the proposed δ fix applied to every GMAX-family variant
-            prm = dict(st.gmax_params)
-            if base == "gmax-jit":
-                prm.setdefault("jit", True)
-            if base == "oracle":
-                prm.setdefault("use_true_len", True)
-            return AgeBoostGMAX.make(**prm)
+        if st.age_boost:  # δ from arrival for every GMAX-family variant (now the core's default)
+            return _gmax_with_clock(base, "arrival", **dict(st.gmax_params))
         return make_policy(base, **dict(st.gmax_params))
     return make_policy(base, delta_steps=st.baseline_delta)
 
