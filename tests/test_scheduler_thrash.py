@@ -8,12 +8,45 @@ keeps old running requests ahead.
 
 from __future__ import annotations
 
+import pytest
+
+from jitflow_server.scheduler import Kind, RequestView, SchedContext, make_policy
 from test_sim_engine import _run, _workload
 
 
-def test_age_clock_avoids_recompute_thrashing_under_overload():
+@pytest.mark.parametrize("clock", ["waiting", "arrival"])
+def test_clock_avoids_recompute_thrashing_under_overload(clock):
     jobs = _workload(n=80, rps=20.0, seed=5)  # far beyond the small engine's capacity
-    age = _run(jobs, starvation_clock="arrival")
+    good = _run(jobs, starvation_clock=clock)
     served = _run(jobs, starvation_clock="served")
     assert served["preemptions"] > 0  # the scenario does provoke the rotation
-    assert age["preemptions"] * 2 < served["preemptions"], (age["preemptions"], served["preemptions"])
+    assert good["preemptions"] * 2 < served["preemptions"], (good["preemptions"], served["preemptions"])
+
+
+def _hogs_and_probe(now: float, hog_age: float) -> list[RequestView]:
+    # two long best-effort requests running since `hog_age` seconds, one fresh tight deadline request
+    hogs = [RequestView(f"be{i}", Kind.BEST_EFFORT, now - hog_age, 20, 1500 + 100 * i, 3000, True, 1520,
+                        max_tokens=3000) for i in range(2)]
+    return [*hogs, RequestView("d", Kind.DEADLINE, now, 10, 0, 40, False, 0, deadline=now + 3, max_tokens=40)]
+
+
+@pytest.mark.parametrize("clock", ["waiting", "served"])
+def test_old_running_best_effort_does_not_outrank_a_fresh_deadline_request(clock):
+    # Running requests have been served the whole time: only the "arrival" clock ages them.
+    policy = make_policy("gmax", starvation_clock=clock, adapt_p=False)
+    now = 1000.0
+    for k in range(30):  # 30 frames of the hogs running alone
+        t = now - 30 + k
+        policy.schedule(_hogs_and_probe(t, t - (now - 31))[:2], SchedContext(
+            now=t, batch_size=2, token_time=0.005, prefill_rate=5000.0, kv_capacity_tokens=10**6))
+    d = policy.schedule(_hogs_and_probe(now, 31), SchedContext(
+        now=now, batch_size=2, token_time=0.005, prefill_rate=5000.0, kv_capacity_tokens=10**6))
+    assert "d" in d.batch
+
+
+def test_arrival_clock_lets_old_best_effort_outrank_a_fresh_deadline_request():
+    policy = make_policy("gmax", starvation_clock="arrival", adapt_p=False)
+    now = 1000.0
+    d = policy.schedule(_hogs_and_probe(now, 31), SchedContext(
+        now=now, batch_size=2, token_time=0.005, prefill_rate=5000.0, kv_capacity_tokens=10**6))
+    assert "d" not in d.batch

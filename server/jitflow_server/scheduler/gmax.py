@@ -50,11 +50,13 @@ class GMAXParams:
       online adaptation of p (see :class:`CutoffAdapter`).
     - ``starvation_delta`` [0.02]: δ, goodput inflation per frame waited, as a fraction of the
       request's base goodput R (App. C eq. 1); the paper's "small additive constant δ per frame".
-      ``starvation_clock`` ["arrival"]: frames are counted since the request's arrival (its age), so
-      running and waiting requests of the same age rank alike; "served" counts frames since the
-      request was last in a batch, which under overload lets every waiting request outrank the
-      running ones after one frame and makes the batch rotate (recompute thrashing; measured in
-      the simulator: 29–47 % of FCFS throughput, docs/benchmarks.md).
+      ``starvation_clock`` ["waiting"]: what δ's "frames waited" counts. "waiting": the time the
+      request has spent *not* being served since arrival (running time does not count, and being
+      served does not reset it); "arrival": its age; "served": frames since it was last in a batch.
+      Measured: "served" lets every waiting request outrank the running ones after one frame under
+      overload and the batch rotates (recompute thrashing, 29–47 % of FCFS throughput in the
+      simulator); "arrival" lets old running best-effort requests outgrow a fresh deadline request
+      and pause it (seen on the real engine); "waiting" avoids both (tests/test_scheduler_thrash.py).
     - ``free_pause`` [True]: when the KV of everything fits, a displaced running request is only
       paused; True prices that pause at zero stall (only the margin guards the swap), False prices it
       like a recompute (``kv_tokens / prefill_rate``), since a paused request makes no progress and,
@@ -107,7 +109,7 @@ class GMAXParams:
     jit_fill: float = 0.01
     use_true_len: bool = False
     full_priorities: bool = False
-    starvation_clock: str = "arrival"
+    starvation_clock: str = "waiting"
     free_pause: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -125,8 +127,9 @@ class GMAXParams:
             raise ValueError(f"best_effort_deadline must be > 0 s, got {self.best_effort_deadline}")
         if self.compound_feasibility not in ("task", "stage"):
             raise ValueError(f"compound_feasibility must be 'task' or 'stage', got {self.compound_feasibility!r}")
-        if self.starvation_clock not in ("arrival", "served"):
-            raise ValueError(f"starvation_clock must be 'arrival' or 'served', got {self.starvation_clock!r}")
+        if self.starvation_clock not in ("waiting", "arrival", "served"):
+            raise ValueError(
+                f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")
         if self.compound_priority not in ("aggregate", "slowest"):
             raise ValueError(f"compound_priority must be 'aggregate' or 'slowest', got {self.compound_priority!r}")
         if self.preempt_margin < 0:
@@ -343,6 +346,8 @@ class GMAXPolicy:
             prm.p, prm.p_step, min(prm.p_min, prm.p), max(prm.p_max, prm.p), prm.adapt_epoch, prm.adapt_p
         )
         self.frame_id = 0
+        self._prev_batch: list[str] = []
+        self._prev_now: float | None = None
         self._last_step: int | None = None
         self._cache = SnapshotCache(need_attained=prm.fairness > 0)
         self.last_estimates: Estimates | None = None
@@ -419,7 +424,19 @@ class GMAXPolicy:
         n, b = snap.n, ctx.batch_size
         if n == 0:
             return Decision([], [], {}, self.frame_id, {"p": self.p})
-        served = self._cache.served[snap.rows] if self.params.starvation_clock == "served" else None
+        clock = self.params.starvation_clock
+        if clock == "waiting":
+            # cache.served holds, per request, the seconds it has been in a batch so far; δ's clock is
+            # then the time spent *not* served: (now − arrival − served) / frame.
+            acc = self._cache.served
+            if self._prev_batch and self._prev_now is not None:
+                pos = self._cache._pos
+                rows = np.fromiter((pos[i] for i in self._prev_batch if i in pos), np.int64)
+                if rows.size:
+                    acc[rows] = np.nan_to_num(acc[rows]) + max(ctx.now - self._prev_now, 0.0)
+            served = snap.arrival + np.nan_to_num(acc[snap.rows])
+        else:
+            served = self._cache.served[snap.rows] if clock == "served" else None
         prio, est = self.score(snap, ctx, served)
         self.last_estimates = est
         p = self.p
@@ -431,7 +448,9 @@ class GMAXPolicy:
         batch_idx = batch_idx[np.argsort(-prio[batch_idx], kind="stable")]
         ids = snap.ids
         batch = [ids[i] for i in batch_idx]
-        self._cache.served[snap.rows[batch_idx]] = ctx.now
+        if clock == "served":
+            self._cache.served[snap.rows[batch_idx]] = ctx.now
+        self._prev_batch, self._prev_now = batch, ctx.now
         info.update(
             p=p,
             n=n,
