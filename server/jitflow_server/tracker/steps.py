@@ -71,8 +71,17 @@ class StepTimeTracker:
         return a + b * n_decode + c * prefill_tokens
 
     def token_time(self, batch: int) -> float:
-        """``v_token``: seconds for one request to get one token when ``batch`` requests decode together."""
-        return self.step_time(max(batch, 1))
+        """``v_token``: seconds for one request to get one token when ``batch`` requests decode together.
+
+        Never below half the median measured step: a least-squares fit over few or similar samples can
+        extrapolate to ~0, which would make GMAX's frames (Δ·v_token) vanishingly short.
+        """
+        t = self.step_time(max(batch, 1))
+        if len(self.samples) >= 8:
+            import statistics
+
+            t = max(t, 0.5 * statistics.median(s.duration for s in self.samples))
+        return t
 
     def prefill_rate(self) -> float:
         """Prefill throughput (tokens/s) implied by the fit (default before measurements)."""
