@@ -121,6 +121,23 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(allowed)}", param_hint="--policies")
         return pols, resolve_data(data)
 
+    def _workload_setup(preset: str, data_dir, duration: float, rps: float, seed: int, length_scale: float,
+                        tightness: float, out: Path):
+        """Preset, trace sources and the ``duration × rps`` mixed workload shared by engine and fidelity."""
+        from jitflow_server.bench.presets import PresetError, load_preset
+        from jitflow_server.bench.workload import DataSources, make_workload
+
+        try:
+            pm = load_preset(preset)
+        except PresetError as e:
+            raise typer.BadParameter(str(e), param_hint="--preset") from None
+        ds = DataSources.load(data_dir)
+        n = max(1, int(round(duration * rps)))
+        jobs = make_workload(n, rps, data=ds, seed=seed, length_scale=length_scale, max_context=8000,
+                             tightness=tightness)
+        out.mkdir(parents=True, exist_ok=True)
+        return pm, ds, jobs
+
     @bench_app.command("engine")
     def engine(
         out: Path = typer.Option(..., "--out", help="Output directory (results.json, results.md)."),
@@ -142,21 +159,11 @@ def register(bench_app: typer.Typer) -> None:
         """Drive the real embedded vLLM engine with the mixed workload, one policy after another (issue 3 §6)."""
         from rich.console import Console
 
-        from jitflow_server.bench.presets import PresetError, load_preset
         from jitflow_server.bench.real import EngineBenchError, ServerProcess
-        from jitflow_server.bench.workload import DataSources, make_workload
         from jitflow_server.scheduler import POLICY_NAMES
 
         pols, data_dir = _common_setup(policies, data, POLICY_NAMES)
-        try:
-            pm = load_preset(preset)
-        except PresetError as e:
-            raise typer.BadParameter(str(e), param_hint="--preset") from None
-        ds = DataSources.load(data_dir)
-        n = max(1, int(round(duration * rps)))
-        jobs = make_workload(n, rps, data=ds, seed=seed, length_scale=length_scale, max_context=8000,
-                             tightness=tightness)
-        out.mkdir(parents=True, exist_ok=True)
+        pm, ds, jobs = _workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
         try:
             with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
@@ -167,7 +174,7 @@ def register(bench_app: typer.Typer) -> None:
         except EngineBenchError as e:
             con.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
-        res = {"config": {"model": model, "policies": pols, "duration": duration, "rps": rps, "requests": n,
+        res = {"config": {"model": model, "policies": pols, "duration": duration, "rps": rps, "requests": len(jobs),
                           "batch_size": batch_size, "length_scale": length_scale, "waiting_time": waiting_time,
                           "tightness": tightness,
                           "baseline_delta": baseline_delta, "seed": seed, "data": ds.origin},
@@ -234,21 +241,11 @@ def register(bench_app: typer.Typer) -> None:
         """Run one workload on the real engine and in the simulator (same policies); report the differences."""
         from rich.console import Console
 
-        from jitflow_server.bench.presets import PresetError, load_preset
         from jitflow_server.bench.real import EngineBenchError, ServerProcess
         from jitflow_server.bench.runner import RunSettings, run_sim_one
-        from jitflow_server.bench.workload import DataSources, make_workload
 
         pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-jit", "fcfs", "edf", "sjf", "las", "oracle"))
-        try:
-            pm = load_preset(preset)
-        except PresetError as e:
-            raise typer.BadParameter(str(e), param_hint="--preset") from None
-        ds = DataSources.load(data_dir)
-        n = max(1, int(round(duration * rps)))
-        jobs = make_workload(n, rps, data=ds, seed=seed, length_scale=length_scale, max_context=8000,
-                             tightness=tightness)
-        out.mkdir(parents=True, exist_ok=True)
+        pm, ds, jobs = _workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
         try:
             with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
@@ -265,7 +262,7 @@ def register(bench_app: typer.Typer) -> None:
         for p in pols:
             sim[p] = run_sim_one(jobs, pm, p, st, ds, an, refine_bounds=False)
         res = {"config": {"model": model, "preset": pm.to_dict(), "policies": pols, "duration": duration, "rps": rps,
-                          "requests": n, "batch_size": batch_size, "length_scale": length_scale,
+                          "requests": len(jobs), "batch_size": batch_size, "length_scale": length_scale,
                           "waiting_time": waiting_time, "tightness": tightness, "seed": seed, "data": ds.origin},
                "real": {p: r["metrics"] for p, r in real.items()}, "sim": sim}
         res["diff"] = fidelity_diff(res["real"], res["sim"])
