@@ -153,7 +153,6 @@ class TaskManager:
         self.tasks: dict[str, TaskState] = {}
         self.max_tasks = max_tasks
         self.telemetry_path = telemetry_path
-        self._lock = asyncio.Lock()
 
     def _import(self, paths: list[Path]) -> None:
         from jitflow_server.analyzer.patterns import read_jsonl
@@ -315,7 +314,6 @@ class TaskManager:
         stage_pos = sorted({n.stage for n in t.nodes.values()}).index(s)
         expected = None if match is not None else self.store.typical_stages(t.app)
         sd = sub_deadline(match, stage_pos, t.t0, t.deadline, expected_stages=expected)
-        # Never give a stage less time than what is left when the call arrives at an earlier sub-deadline.
         t.sub_deadlines[s] = sd
         if match is not None:
             g = match.graph

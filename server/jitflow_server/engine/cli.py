@@ -77,7 +77,7 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
         engine: str = typer.Option("vllm", help="Serving engine (only 'vllm' is embedded)."),
         policy: str = typer.Option("gmax", help="gmax | gmax-jit | fcfs | sarathi | edf | sjf | las | oracle."),
         param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (repeatable), e.g. "
-                                        "delta_steps=50, p=0.95, delta=0.01, fairness=0."),
+                                        "delta_steps=50, p=0.95, starvation_delta=0.02, fairness=0."),
         batch_size: int = typer.Option(32, help="B: requests run per engine step."),
         max_model_len: int = typer.Option(8192, help="Context length (tokens)."),
         kv_cache_gib: float = typer.Option(2.0, help="KV cache size (GiB)."),

@@ -235,7 +235,8 @@ class JitflowScheduler(Scheduler):
             self._dirty = False
         chosen = {rid: i for i, rid in enumerate(self._plan_batch)}
         # (1) cost-aware preemptions chosen by the policy, through vLLM's own path.
-        victims = [r for r in self.running if r.request_id in set(self._plan_preempt)]
+        preempt_ids = set(self._plan_preempt)
+        victims = [r for r in self.running if r.request_id in preempt_ids]
         if victims:
             vs = set(victims)
             self.running = [r for r in self.running if r not in vs]
