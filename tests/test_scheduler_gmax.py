@@ -32,6 +32,9 @@ def dl(rid: str, inp: int, out: int, deadline: float = 1000.0, arrival: float = 
 
 
 def gmax(**kw) -> GMAXPolicy:
+    """The paper's ranking (``gmax-paper``): these tests check JITServe §4.2's formulas."""
+    kw.setdefault("jit", False)
+    kw.setdefault("free_pause", True)
     kw.setdefault("adapt_p", False)
     kw.setdefault("starvation_delta", 0.0)
     return GMAXPolicy(**kw)
@@ -209,8 +212,25 @@ def test_gmax_jit_prefers_the_request_about_to_miss():
     # U: low density but only 0.3 s of slack (< one 0.5 s frame); R: high density, plenty of slack
     u = dl("U", 10, 100, deadline=2.3)  # t_gen 1 s, now 1 -> laxity 0.3 s
     r = dl("R", 3000, 100, deadline=500.0)
-    assert gmax().schedule([u, r], ctx(now=1.0, b=1)).batch == ["R"]
-    assert make_policy("gmax-jit", adapt_p=False, starvation_delta=0.0).schedule([u, r], ctx(now=1.0, b=1)).batch == ["U"]
+    assert make_policy("gmax-paper", adapt_p=False, starvation_delta=0.0).schedule([u, r], ctx(now=1.0, b=1)).batch == ["R"]
+    assert make_policy("gmax", adapt_p=False, starvation_delta=0.0).schedule([u, r], ctx(now=1.0, b=1)).batch == ["U"]
+    # with more slack than one frame U can wait: the dense request runs first
+    u_lax = dl("U", 10, 100, deadline=3.0)
+    assert make_policy("gmax", adapt_p=False, starvation_delta=0.0).schedule([u_lax, r], ctx(now=1.0, b=1)).batch == ["R"]
+
+
+def test_gmax_jit_admits_a_request_before_admission_control_rejects_it():
+    # A: low density, lots of slack, but never scheduled and rejected at admit_by (JITServe §5)
+    r = dl("R", 3000, 100, deadline=500.0)
+    pol = make_policy("gmax", adapt_p=False, starvation_delta=0.0)
+    far = dl("A", 10, 100, deadline=500.0, admit_by=5.0)
+    assert pol.schedule([far, r], ctx(now=1.0, b=1)).batch == ["R"]  # 4 s left > 0.5 s frame: A can wait
+    near = dl("A2", 10, 100, deadline=500.0, admit_by=1.3)
+    assert pol.schedule([near, r], ctx(now=1.0, b=1)).batch == ["A2"]  # rejected within this frame otherwise
+    # a running request's admit_by is ignored (it was admitted)
+    run = RequestView("A3", Kind.DEADLINE, 0.0, 10, 5, 100, True, kv_tokens=15, deadline=500.0, admit_by=1.3)
+    d = make_policy("gmax", adapt_p=False, starvation_delta=0.0, full_priorities=True).schedule([run, r], ctx(now=1.0, b=1))
+    assert d.priorities["A3"] < d.priorities["R"]
 
 
 def test_fairness_blend_prefers_least_attained_when_f_is_one():

@@ -21,7 +21,11 @@ def ctx(**kw) -> SchedContext:
 
 
 def policy(**kw) -> GMAXPolicy:
+    """The paper's ranking and stall pricing (``gmax-paper``) unless a test says otherwise."""
     kw.setdefault("preempt_margin", 0.1)
+    kw.setdefault("jit", False)
+    kw.setdefault("free_pause", True)
+    kw.setdefault("stall_value", "tokens")
     return GMAXPolicy(adapt_p=False, starvation_delta=0.0, delta_steps=DELTA, full_priorities=True, **kw)
 
 
@@ -72,3 +76,35 @@ def test_priority_margin_blocks_marginal_swaps():
     assert policy().schedule([r, w], ctx()).batch == ["R"]
     d = policy(preempt_margin=0.0).schedule([r, w], ctx())
     assert d.batch == ["W"] and d.preempt == ["R"]
+
+
+def test_goodput_priced_stall_is_cheap_when_it_only_delays_best_effort_work():
+    # two long best-effort requests hold the batch (B=2); a fresh tight deadline request arrives.
+    # Priced in raw tokens the recompute stall of a hog (0.3 s × 400 tok/s) outweighs the gain; priced
+    # in goodput (the other hog earns little: best-effort weight 0.1) the swap stands.
+    hogs = [RequestView(f"be{i}", Kind.BEST_EFFORT, 0.0, 20, 1500, 3000, True, kv_tokens=1520)
+            for i in range(2)]
+    probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
+    c = SchedContext(now=1.0, batch_size=2, token_time=0.005, prefill_rate=5000.0)
+    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA)
+    by_tokens = GMAXPolicy(stall_value="tokens", **kw).schedule([*hogs, probe], c)
+    assert "d" not in by_tokens.batch and by_tokens.info["swapped_back"] == 1
+    by_goodput = GMAXPolicy(stall_value="goodput", **kw).schedule([*hogs, probe], c)
+    assert "d" in by_goodput.batch and len(by_goodput.preempt) == 1
+
+
+def test_paused_requests_beyond_max_running_are_preempted_weakest_first():
+    # 3 running (B=1 frame picks W), max_running=3: admitting W leaves 4 > 3 -> one must go: the weakest
+    rs = [RequestView(f"R{i}", Kind.DEADLINE, 0.0, 10, 10, 100 * (i + 1), True, kv_tokens=20, deadline=1000.0)
+          for i in range(3)]
+    w = RequestView("W", Kind.DEADLINE, 0.0, 3000, 0, 10, False, deadline=1000.0)
+    c = SchedContext(now=1.0, batch_size=1, token_time=V, prefill_rate=10**9, kv_capacity_tokens=10**7,
+                     max_running=3)
+    d = GMAXPolicy(adapt_p=False, starvation_delta=0.0, jit=False, free_pause=True, full_priorities=True).schedule(
+        [*rs, w], c)
+    assert d.batch == ["W"]
+    weakest = min(("R0", "R1", "R2"), key=d.priorities.__getitem__)
+    assert d.preempt == [weakest]
+    unlimited = GMAXPolicy(adapt_p=False, starvation_delta=0.0, jit=False, free_pause=True).schedule(
+        [*rs, w], SchedContext(now=1.0, batch_size=1, token_time=V, prefill_rate=10**9, kv_capacity_tokens=10**7))
+    assert unlimited.batch == ["W"] and unlimited.preempt == []

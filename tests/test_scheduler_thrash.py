@@ -17,8 +17,9 @@ from test_sim_engine import _run, _workload
 @pytest.mark.parametrize("clock", ["waiting", "arrival"])
 def test_clock_avoids_recompute_thrashing_under_overload(clock):
     jobs = _workload(n=80, rps=20.0, seed=5)  # far beyond the small engine's capacity
-    good = _run(jobs, starvation_clock=clock)
-    served = _run(jobs, starvation_clock="served")
+    paper = dict(jit=False, free_pause=True, stall_value="tokens")  # where the rotation was found
+    good = _run(jobs, starvation_clock=clock, **paper)
+    served = _run(jobs, starvation_clock="served", **paper)
     assert served["preemptions"] > 0  # the scenario does provoke the rotation
     assert good["preemptions"] * 2 < served["preemptions"], (good["preemptions"], served["preemptions"])
 
@@ -31,21 +32,32 @@ def _hogs_and_probe(now: float, hog_age: float) -> list[RequestView]:
 
 
 @pytest.mark.parametrize("clock", ["waiting", "served"])
-def test_old_running_best_effort_does_not_outrank_a_fresh_deadline_request(clock):
+@pytest.mark.parametrize("name", ["gmax", "gmax-paper"])
+def test_old_running_best_effort_does_not_outrank_a_fresh_deadline_request(clock, name):
     # Running requests have been served the whole time: only the "arrival" clock ages them.
-    policy = make_policy("gmax", starvation_clock=clock, adapt_p=False)
+    policy = make_policy(name, starvation_clock=clock, adapt_p=False)
     now = 1000.0
     for k in range(30):  # 30 frames of the hogs running alone
         t = now - 30 + k
         policy.schedule(_hogs_and_probe(t, t - (now - 31))[:2], SchedContext(
             now=t, batch_size=2, token_time=0.005, prefill_rate=5000.0, kv_capacity_tokens=10**6))
-    d = policy.schedule(_hogs_and_probe(now, 31), SchedContext(
-        now=now, batch_size=2, token_time=0.005, prefill_rate=5000.0, kv_capacity_tokens=10**6))
-    assert "d" in d.batch
+    # frames of Δ·v = 0.25 s while the hogs keep running; the probe (t_gen ≈ 0.2 s, deadline now+3 s)
+    # must be put in the batch early enough to meet its deadline (gmax-paper: at once, by density;
+    # gmax: just in time, once its laxity drops below one frame)
+    t = now
+    while t < now + 3.0:
+        d = policy.schedule(_hogs_and_probe(t, t - (now - 31)), SchedContext(
+            now=t, batch_size=2, token_time=0.005, prefill_rate=5000.0, kv_capacity_tokens=10**6))
+        if "d" in d.batch:
+            break
+        t += 0.25
+    assert "d" in d.batch and t + 40 * 0.005 <= now + 3.0, t - now
+    if name == "gmax-paper":
+        assert t == now
 
 
 def test_arrival_clock_lets_old_best_effort_outrank_a_fresh_deadline_request():
-    policy = make_policy("gmax", starvation_clock="arrival", adapt_p=False)
+    policy = make_policy("gmax-paper", starvation_clock="arrival", adapt_p=False)
     now = 1000.0
     d = policy.schedule(_hogs_and_probe(now, 31), SchedContext(
         now=now, batch_size=2, token_time=0.005, prefill_rate=5000.0, kv_capacity_tokens=10**6))

@@ -244,7 +244,7 @@ def register(bench_app: typer.Typer) -> None:
         from jitflow_server.bench.real import EngineBenchError, ServerProcess
         from jitflow_server.bench.runner import RunSettings, run_sim_one
 
-        pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-jit", "fcfs", "edf", "sjf", "las", "oracle"))
+        pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-paper", "fcfs", "edf", "sjf", "las", "oracle"))
         pm, ds, jobs = _workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
         try:

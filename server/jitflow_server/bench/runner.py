@@ -2,7 +2,7 @@
 
 ``run_sim_one`` runs one workload through one *variant* and returns its metrics. Variants:
 
-- every policy of :data:`jitflow_server.scheduler.POLICY_NAMES` (``gmax``, ``gmax-jit``, ``fcfs``,
+- every policy of :data:`jitflow_server.scheduler.POLICY_NAMES` (``gmax``, ``gmax-paper``, ``fcfs``,
   ``sarathi``, ``edf``, ``sjf``, ``las``, ``oracle``) with the run's analyzer and length-bound modes;
   ``oracle`` always gets true lengths and the task's own graph (JITServe*);
 - ``gmax-noanalyzer``: GMAX with ``--analyzer none`` and average length bounds (Fig. 17 "w/o analyzer");
@@ -78,7 +78,7 @@ def build_policy(variant: str, st: RunSettings):
     if variant == "gmax-served":  # the earlier rule: δ counted since last served (recompute thrashing)
         return _gmax_with_clock("gmax", "served", **dict(st.gmax_params))
     base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax"}.get(variant, variant)
-    if base in ("gmax", "gmax-jit", "oracle"):
+    if base in ("gmax", "gmax-paper", "oracle"):
         if st.age_boost:  # δ from arrival for every GMAX-family variant (now the core's default)
             return _gmax_with_clock(base, "arrival", **dict(st.gmax_params))
         return make_policy(base, **dict(st.gmax_params))

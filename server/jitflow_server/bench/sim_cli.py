@@ -253,7 +253,7 @@ def register(bench_app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", help="Output directory (results.json, results.md, *.png)."),
         preset: str = typer.Option("a100-llama8b", "--preset", help="cpu-demo | a100-llama8b | preset JSON file."),
         policies: str = typer.Option(DEFAULT_POLICIES, "--policies",
-                                     help="Comma-separated: gmax, gmax-jit, fcfs, sarathi, edf, sjf, las, oracle, "
+                                     help="Comma-separated: gmax, gmax-paper, fcfs, sarathi, edf, sjf, las, oracle, "
                                      "gmax-noanalyzer, sjf-analyzer, gmax-age (δ aged from arrival)."),
         rps: Optional[str] = typer.Option(None, "--rps", help="Comma-separated loads (requests/s); default per preset."),
         requests: int = typer.Option(3000, "--requests", min=1, help="Requests (jobs) per load."),
@@ -268,7 +268,7 @@ def register(bench_app: typer.Typer) -> None:
         waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
         age_boost: bool = typer.Option(False, "--age-boost/--no-age-boost",
                                        help="Apply the proposed δ fix (boost aged from arrival, as gmax-age) to "
-                                       "every GMAX-family variant (gmax, oracle, gmax-noanalyzer, gmax-jit)."),
+                                       "every GMAX-family variant (gmax, oracle, gmax-noanalyzer, gmax-paper)."),
         baseline_admission: bool = typer.Option(False, "--baseline-admission/--no-baseline-admission",
                                                 help="Apply the waiting_time admission control to the baselines "
                                                 "too (default: only to GMAX variants, as in the paper)."),

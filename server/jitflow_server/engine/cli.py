@@ -75,7 +75,7 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
         model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
         served_name: Optional[str] = typer.Option(None, help="Model id clients use (default: --model's name)."),
         engine: str = typer.Option("vllm", help="Serving engine (only 'vllm' is embedded)."),
-        policy: str = typer.Option("gmax", help="gmax | gmax-jit | fcfs | sarathi | edf | sjf | las | oracle."),
+        policy: str = typer.Option("gmax", help="gmax | gmax-paper | fcfs | sarathi | edf | sjf | las | oracle."),
         param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (repeatable), e.g. "
                                         "delta_steps=50, p=0.95, starvation_delta=0.02, fairness=0."),
         batch_size: int = typer.Option(32, help="B: requests run per engine step."),

@@ -199,6 +199,7 @@ class JitflowScheduler(Scheduler):
                 stage_index=m.stage, task_tokens_est=m.task_tokens, task_rem_gen_time=m.task_rem_time,
                 attained_service=float(self.task_attained.get(m.task, 0) if m.task else r.num_output_tokens),
                 true_len=m.true_len, max_tokens=mt, first_token_time=m.first_token, last_token_time=m.last_token,
+                admit_by=(m.arrival + m.waiting_time) if (m.first_sched is None and m.waiting_time is not None) else None,
             ))
         return views
 
@@ -210,6 +211,7 @@ class JitflowScheduler(Scheduler):
             token_time=self.tracker.token_time(min(self.batch_size, max(len(views), 1))),
             prefill_rate=self.tracker.prefill_rate(),
             kv_capacity_tokens=int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size) or None,
+            max_running=self.max_num_running_reqs,
         )
         t0 = time.perf_counter()
         decision = self.policy.schedule(views, ctx)

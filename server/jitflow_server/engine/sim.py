@@ -302,6 +302,7 @@ class SimEngine:
                     v.generated = c.generated
                     v.running = c.running
                     v.kv_tokens = c.computed if c.running else 0
+                    v.admit_by = None if (c.scheduled or c.waiting_time is None) else c.arrival + c.waiting_time
                     g50 = c.generated // self.bounder.refine_every
                     if g50 != c.bound_at or v.len_bound <= c.generated:
                         v.len_bound = self.bounder.bound(c.true_len, c.generated, c.z, c.cls)
@@ -310,7 +311,7 @@ class SimEngine:
                     views.append(v)
                 ctx = SchedContext(now=t, batch_size=B, token_time=self.tracker.token_time(min(B, max(len(views), 1))),
                                    prefill_rate=self.tracker.prefill_rate(), swap_rate=m.swap_rate,
-                                   kv_capacity_tokens=m.kv_capacity_tokens)
+                                   kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B)
                 f0 = time.perf_counter()
                 d = pol.schedule(views, ctx)
                 frame_ms.append((time.perf_counter() - f0) * 1e3)

@@ -28,7 +28,7 @@ from jitflow_server.scheduler.replicas import best_replica, dummy_copies
 from jitflow_server.scheduler.snapshot import SchedulingInputError
 from jitflow_server.scheduler.types import Decision, Kind, Policy, RequestView, SchedContext
 
-POLICY_NAMES = ("gmax", "gmax-jit", "fcfs", "sarathi", "edf", "sjf", "las", "oracle")
+POLICY_NAMES = ("gmax", "gmax-paper", "fcfs", "sarathi", "edf", "sjf", "las", "oracle")
 
 _BASELINES: dict[str, type[OrderPolicy]] = {
     "fcfs": FCFSPolicy,
@@ -40,17 +40,21 @@ _BASELINES: dict[str, type[OrderPolicy]] = {
 
 
 def make_policy(name: str, **params: Any) -> Policy:
-    """Build a policy by name: ``gmax``, ``gmax-jit`` (marginal-goodput ranking, DESIGN.md §5),
-    ``oracle`` (GMAX with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.
+    """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: DESIGN.md §5), ``gmax-paper``
+    (the paper's ``goodput/t_gen`` ranking and stall pricing, JITServe §4.2: ``jit=False,
+    free_pause=True, stall_value="tokens"``),
+    ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.
 
     ``params`` are :class:`GMAXParams` fields for the GMAX family, and ``best_effort_deadline``,
     ``delta_steps``, ``default_ttft``, ``default_tbt`` for the baselines. Raises ``ValueError``
     naming the valid names/parameters for an unknown name or parameter.
     """
     key = name.strip().lower()
-    if key in ("gmax", "gmax-jit", "oracle"):
-        if key == "gmax-jit":
-            params.setdefault("jit", True)
+    if key in ("gmax", "gmax-paper", "oracle"):
+        if key == "gmax-paper":
+            params.setdefault("jit", False)
+            params.setdefault("free_pause", True)
+            params.setdefault("stall_value", "tokens")
         if key == "oracle":
             params.setdefault("use_true_len", True)
         return GMAXPolicy(name=key, **params)

@@ -57,11 +57,13 @@ class GMAXParams:
       overload and the batch rotates (recompute thrashing, 29–47 % of FCFS throughput in the
       simulator); "arrival" lets old running best-effort requests outgrow a fresh deadline request
       and pause it (seen on the real engine); "waiting" avoids both (tests/test_scheduler_thrash.py).
-    - ``free_pause`` [True]: when the KV of everything fits, a displaced running request is only
+    - ``free_pause`` [False]: when the KV of everything fits, a displaced running request is only
       paused; True prices that pause at zero stall (only the margin guards the swap), False prices it
-      like a recompute (``kv_tokens / prefill_rate``), since a paused request makes no progress and,
-      beyond the engine's slot count, is preempted anyway. In the simulator (cpu-demo preset, 360
-      requests, 4 and 6 req/s) both gave the same goodput within 1 %.
+      like a recompute (``kv_tokens / prefill_rate``): with JIT ranking a paused request comes back
+      when its laxity shrinks and paused requests beyond ``SchedContext.max_running`` are preempted
+      anyway, so free pauses churn (measured, docs/benchmarks.md "JIT ranking": False gives 5–45 %
+      more goodput). The weakest displaced requests that do not fit ``max_running`` are always priced
+      as a recompute and preempted by the policy itself.
     - ``fairness`` [0.0]: f of ``(1−f)·priority + f·Fair(r)`` (§4.3); 0 disables the blend.
     - ``fair_fn`` [None]: ``(snapshot, ctx) -> array in [0, 1]`` (1 = most deserving); default is
       ``1 − attained/max(attained)`` (least attained service first, VTC-like).
@@ -76,10 +78,24 @@ class GMAXParams:
     - ``compound_priority`` ["aggregate"]: "aggregate" = ``G_task / (Σ_members t_gen + rem)``
       (§4.2: len_rem and bandwidth aggregated over the stage); "slowest" =
       ``G_task / (max_members t_gen + rem)`` (DESIGN.md §5 start point).
+    - ``stall_value`` ["goodput"]: how a preemption stall is priced (§4.2 "goodput_loss =
+      stall_duration × token_generation_speed"): "goodput" multiplies the stall by the goodput rate of
+      the rest of the batch (both sides of the test in goodput tokens, so a stall that only delays
+      best-effort tokens is cheap); "tokens" by the batch's raw token speed ``|batch|/v_token``.
     - ``preemption`` [True]: enable the cost-aware check (False: displaced requests always preempted).
     - ``preempt_margin`` [0.1]: also require ``priority(new) > (1+margin)·priority(old)`` (App. E.2 eq. 9).
-    - ``jit`` [False]: rank by marginal goodput first (``gmax-jit``, DESIGN.md §5), ``jit_fill`` [0.01]
-      weight of the plain ``goodput/t_gen`` term that fills the rest of the batch.
+    - ``jit`` [True]: *just-in-time* ranking (DESIGN.md §5, our extension; ``gmax-paper`` turns it
+      off): the goodput term of the priority is ``marginal + jit_fill·goodput``, where ``marginal`` is
+      the goodput lost if the request is deferred by ``jit_horizon`` frames (tokens of a latency
+      request that would turn late; all of a deadline request's or compound stage group's goodput once
+      its laxity ``t_rem − t_gen`` is below that; all of it for a waiting request whose admission
+      deadline ``admit_by`` falls inside it, JITServe §5). Requests that can wait rank by
+      ``jit_fill·goodput/t_gen`` behind the urgent ones (work conserving). ``jit_fill`` [0.01],
+      ``jit_horizon`` [1.0 frames]. Measured side by side (docs/benchmarks.md, "JIT ranking"):
+      1.15–1.47× the token goodput of ``gmax-paper`` over the cpu-demo and a100 presets at overload.
+    - ``prefill_weight`` [1.0]: multiplier on the prefill part of ``t_gen`` in the priority's
+      denominator (1 = the paper; B would price prefill in slot-seconds, since a prefill stalls the
+      whole batch). Measured within noise in the simulator, kept at 1.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -105,12 +121,15 @@ class GMAXParams:
     compound_priority: str = "aggregate"
     preemption: bool = True
     preempt_margin: float = 0.1
-    jit: bool = False
+    jit: bool = True
     jit_fill: float = 0.01
+    jit_horizon: float = 1.0
+    prefill_weight: float = 1.0
     use_true_len: bool = False
     full_priorities: bool = False
     starvation_clock: str = "waiting"
-    free_pause: bool = True
+    free_pause: bool = False
+    stall_value: str = "goodput"
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -132,6 +151,12 @@ class GMAXParams:
                 f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")
         if self.compound_priority not in ("aggregate", "slowest"):
             raise ValueError(f"compound_priority must be 'aggregate' or 'slowest', got {self.compound_priority!r}")
+        if self.jit_horizon <= 0 or self.jit_fill < 0:
+            raise ValueError(f"jit_horizon must be > 0 frames and jit_fill >= 0, got {self.jit_horizon}, {self.jit_fill}")
+        if self.prefill_weight <= 0:
+            raise ValueError(f"prefill_weight must be > 0, got {self.prefill_weight}")
+        if self.stall_value not in ("goodput", "tokens"):
+            raise ValueError(f"stall_value must be 'goodput' or 'tokens', got {self.stall_value!r}")
         if self.preempt_margin < 0:
             raise ValueError(f"preempt_margin must be >= 0, got {self.preempt_margin}")
         if self.default_ttft <= 0 or self.default_tbt <= 0:
@@ -155,6 +180,7 @@ class Estimates:
     base: np.ndarray
     feasible: np.ndarray
     marginal: np.ndarray | None = None
+    t_pre: np.ndarray | None = None
 
 
 def ontime_tokens(
@@ -224,7 +250,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams) -> Estimates:
     t_rem = np.full(n, np.inf)
     feasible = np.zeros(n, bool)
     marginal = np.zeros(n) if prm.jit else None
-    frame_s = prm.delta_steps * v
+    frame_s = prm.delta_steps * v * prm.jit_horizon
     # integer index arrays (random boolean masks are several times slower on 10^4 rows)
     order = np.argsort(kind, kind="stable")
     bounds = np.searchsorted(kind[order], [LATENCY, DEADLINE, COMPOUND, BEST_EFFORT, BEST_EFFORT + 1])
@@ -281,6 +307,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams) -> Estimates:
         g_ok = max_tgen <= budget + 1e-9
         den = (sum_tgen if prm.compound_priority == "aggregate" else max_tgen) + rem_future
         t_gen[i] = den[g]
+        pre[i] = np.bincount(g, pre[i], minlength=ng)[g]
         t_rem[i] = stage_rem[g]
         base[i] = g_tokens[g]
         feasible[i] = g_ok[g]
@@ -288,7 +315,16 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams) -> Estimates:
         if marginal is not None:
             late_next = g_ok & (max_tgen > budget - frame_s)
             marginal[i] = np.where(late_next, g_tokens, 0.0)[g]
-    return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)
+    if marginal is not None and snap.admit_by is not None:
+        # admission control (JITServe §5) rejects a never-scheduled request at admit_by: deferring it
+        # past that loses all of its goodput (a compound call: its whole task's).
+        with np.errstate(invalid="ignore"):
+            at_risk = snap.admit_by - now <= frame_s
+        if comp_i.size:
+            g_risk = _group_max(at_risk[comp_i].astype(float), snap.group[comp_i], snap.n_groups, 0.0) > 0
+            at_risk[comp_i] = g_risk[snap.group[comp_i]]
+        marginal = np.where(at_risk, goodput, marginal)
+    return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal, pre)
 
 
 def select_window(prio: np.ndarray, input_len: np.ndarray, batch_size: int, p: float) -> tuple[np.ndarray, dict]:
@@ -349,7 +385,7 @@ class GMAXPolicy:
         self._prev_batch: list[str] = []
         self._prev_now: float | None = None
         self._last_step: int | None = None
-        self._cache = SnapshotCache(need_attained=prm.fairness > 0)
+        self._cache = SnapshotCache(need_attained=prm.fairness > 0, need_admit_by=prm.jit)
         self.last_estimates: Estimates | None = None
 
     # ---- Policy protocol -------------------------------------------------------------------
@@ -403,7 +439,8 @@ class GMAXPolicy:
             waited[comp] = gw[snap.group[comp]]
         gain = est.goodput if est.marginal is None else est.marginal + prm.jit_fill * est.goodput
         num = gain + (prm.starvation_delta * waited + 1e-6) * est.base
-        prio = num / np.maximum(est.t_gen, 1e-9)
+        cost = est.t_gen if prm.prefill_weight == 1.0 else est.t_gen + (prm.prefill_weight - 1.0) * est.t_pre
+        prio = num / np.maximum(cost, 1e-9)
         if prm.fairness > 0 and n:
             fair = (prm.fair_fn or default_fair)(snap, ctx)
             scale = float(prio.max()) or 1.0
@@ -472,11 +509,15 @@ class GMAXPolicy:
 
         Displaced = running requests outside the window; admitted = waiting requests inside it.
         Pair the strongest displaced with the weakest admitted: the swap stands only if
-        ``(prio_new − prio_old)·frame_s > stall·(|batch|/v_token)`` and
+        ``(prio_new − prio_old)·frame_s > stall·speed`` and
         ``prio_new > (1+margin)·prio_old``, where ``stall = kv_tokens/(swap_rate or prefill_rate)``
         (0 when the KV of all running requests plus the batch's frame demand fits
-        ``kv_capacity_tokens``, because then the displaced request is only paused). Otherwise the
-        displaced request takes the admitted one's slot back. Returns (indices to preempt, swaps undone).
+        ``kv_capacity_tokens``, because then the displaced request is only paused, unless it is one of
+        the weakest displaced requests that do not fit ``ctx.max_running`` slots: those are preempted). Otherwise the
+        displaced request takes the admitted one's slot back. ``speed`` is the goodput the rest of the
+        batch earns per second (``Σ goodput/t_gen`` over the batch without the admitted request;
+        ``stall_value="goodput"``) or, as the paper words it, the batch's token generation speed
+        ``|batch|/v_token`` (``stall_value="tokens"``). Returns (indices to preempt, swaps undone).
         """
         prm = self.params
         displaced = np.flatnonzero(snap.running & ~in_batch)
@@ -488,6 +529,9 @@ class GMAXPolicy:
         frame_s = prm.delta_steps * ctx.token_time
         n_batch = int(in_batch.sum())
         speed = max(n_batch, 1) / ctx.token_time  # tokens/s the whole batch generates (lost during a stall)
+        by_goodput = prm.stall_value == "goodput"
+        grate = est.goodput / np.maximum(est.t_gen, 1e-9)  # goodput tokens/s each request earns when served
+        batch_rate = float(grate[in_batch].sum())
         rate = ctx.swap_rate or ctx.prefill_rate
         fits = False
         if ctx.kv_capacity_tokens is not None:
@@ -498,6 +542,10 @@ class GMAXPolicy:
         swapped = 0
         free_slots = ctx.batch_size - n_batch
         keep: list[int] = []
+        n_running = int(snap.running.sum())
+        # paused requests keep a slot: beyond max_running the weakest displaced ones must be freed
+        overflow = 0 if ctx.max_running is None else max(0, n_running + len(admitted) - ctx.max_running)
+        must_free = set(displaced[displaced.size - overflow:].tolist()) if overflow else set()
         for d in displaced:
             if not prm.preemption:
                 break
@@ -509,9 +557,10 @@ class GMAXPolicy:
             if not admitted:
                 break
             a = admitted[0]
-            stall = 0.0 if (fits and prm.free_pause) else float(snap.kv_tokens[d]) / rate
+            paused = fits and prm.free_pause and int(d) not in must_free
+            stall = 0.0 if paused else float(snap.kv_tokens[d]) / rate
             gain = (prio[a] - prio[d]) * frame_s
-            loss = stall * speed
+            loss = stall * (batch_rate - grate[a] if by_goodput else speed)
             if gain > loss and prio[a] > (1.0 + prm.preempt_margin) * prio[d]:
                 continue  # swap stands
             admitted.pop(0)
@@ -519,7 +568,13 @@ class GMAXPolicy:
             in_batch[d] = True
             keep.append(d)
             swapped += 1
-        if fits:
-            return [], swapped
         kept = set(keep)
+        if fits:
+            if ctx.max_running is None:
+                return [], swapped
+            # free only the weakest paused requests that do not fit the engine's slots
+            over = n_running + int((~snap.running & in_batch).sum()) - ctx.max_running
+            if over <= 0:
+                return [], swapped
+            return [int(d) for d in displaced[::-1] if d not in kept][:over], swapped
         return [int(d) for d in displaced if d not in kept], swapped

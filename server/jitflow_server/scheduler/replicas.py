@@ -47,9 +47,11 @@ def best_replica(view: RequestView, ctxs: Sequence[SchedContext], policy: GMAXPo
                  home_replica: int | None = None) -> tuple[int, float, dict[int, float]]:
     """Score ``view`` on K replicas' contexts and return ``(best index into ctxs, its priority,
     {index: priority})``; ties go to the lower index. ``policy`` defaults to a fresh GMAX policy
-    (priority = goodput/t_gen with each replica's own v_token and prefill rate, JITServe §4.3).
+    (priority = goodput/t_gen with each replica's own v_token and prefill rate, JITServe §4.3; the
+    paper's ranking, ``jit=False``: where a request can still finish matters for routing, not when
+    it must start).
     """
-    pol = policy or GMAXPolicy(adapt_p=False)
+    pol = policy or GMAXPolicy(adapt_p=False, jit=False)
     scores: dict[int, float] = {}
     for i, v, ctx in dummy_copies(view, ctxs, k, rng, home_replica):
         scores[i] = float(pol.priorities([v], ctx)[0])

@@ -56,6 +56,7 @@ class Snapshot:
     group: np.ndarray  # int64, -1 if not in a compound stage group
     n_groups: int
     task_index: np.ndarray  # int64 index of task_id (-1 when None), for program-level LAS
+    admit_by: np.ndarray | None = None  # absolute s or NaN (waiting, never scheduled); None: no column
     rows: np.ndarray | None = None  # rows of these requests in the SnapshotCache that built it
 
     @property
@@ -72,16 +73,17 @@ class SnapshotCache:
     TBT, deadline, true length, task and stage identity); every frame it re-reads only
     ``generated``, ``len_bound``, ``running`` for all requests, ``kv_tokens`` of running requests
     (waiting requests hold no KV by contract), the sub-deadline and
-    task estimates (``task_tokens_est``, ``task_rem_gen_time``) of compound calls, and ``attained_service`` when
-    ``need_attained``. Request ids must be unique over a request's life (a reused id keeps its
+    task estimates (``task_tokens_est``, ``task_rem_gen_time``) of compound calls, ``attained_service`` when
+    ``need_attained`` and ``admit_by`` of waiting requests when ``need_admit_by``. Request ids must be unique over a request's life (a reused id keeps its
     first static fields). Entries of departed requests are dropped (compaction) when the cache holds
     more than ``2·N + 1024`` rows.
     """
 
     _NF = 6  # static float columns: arrival, input_len, ttft, tbt, deadline, true_len
 
-    def __init__(self, need_attained: bool = True) -> None:
+    def __init__(self, need_attained: bool = True, need_admit_by: bool = False) -> None:
         self.need_attained = need_attained
+        self.need_admit_by = need_admit_by
         self._reset()
 
     def _reset(self) -> None:
@@ -220,6 +222,9 @@ class SnapshotCache:
             task_index=np.full(n, -1, np.int64),
             rows=rows,
         )
+        if self.need_admit_by:
+            snap.admit_by = np.fromiter(
+                (_NAN if (v.running or v.admit_by is None) else v.admit_by for v in views), f64, n)
         run = np.flatnonzero(snap.running)
         if run.size:  # only running requests hold KV (RequestView contract); B-sized read
             snap.kv_tokens[run] = [views[i].kv_tokens for i in run.tolist()]

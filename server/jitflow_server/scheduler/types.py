@@ -38,9 +38,13 @@ class RequestView:
     ``task_rem_gen_time`` is the estimated generation time (slot-seconds, i.e. summed over the
     calls) of the task's stages after this one; ``attained_service`` is the number of tokens the
     request's program/task has already received (engine-tracked, used by LAS).
+    ``admit_by`` is the time by which a request that has never been scheduled must be admitted or
+    the engine's admission control rejects it (``arrival + waiting_time``, JITServe §5); ``None``
+    once it has been scheduled or when admission control is off. It is read only for waiting
+    requests, every frame.
     ``true_len`` is only read by the ``oracle`` policy. ``kv_tokens`` is read only when ``running``
     (a waiting request holds no KV; a paused one stays ``running``). Fields other than
-    ``generated``, ``len_bound``, ``running``, ``kv_tokens``, ``sub_deadline``, ``task_tokens_est``,
+    ``generated``, ``len_bound``, ``running``, ``kv_tokens``, ``admit_by``, ``sub_deadline``, ``task_tokens_est``,
     ``task_rem_gen_time`` and ``attained_service`` are read once per ``req_id`` and cached (call
     ``policy.invalidate(req_id)`` after changing one of them, e.g. a kind transition).
     """
@@ -66,6 +70,7 @@ class RequestView:
     max_tokens: int | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    admit_by: float | None = None
 
 
 @dataclass(slots=True)
@@ -76,7 +81,8 @@ class SchedContext:
     step per request at the current batch (``v_token``, from the SLO tracker); ``prefill_rate`` the
     measured prefill tokens per second; ``swap_rate`` the KV swap bandwidth in tokens/s (``None``:
     preemption recomputes, as vLLM v1 on CPU); ``kv_capacity_tokens`` the KV cache size in tokens
-    (``None``: unknown, the engine manages memory).
+    (``None``: unknown, the engine manages memory); ``max_running`` the number of requests the engine
+    can hold running at once, paused ones included (vLLM's ``max_num_seqs``; ``None``: unlimited).
     """
 
     now: float
@@ -86,6 +92,7 @@ class SchedContext:
     swap_rate: float | None = None
     kv_capacity_tokens: int | None = None
     replica: int = 0
+    max_running: int | None = None
 
 
 @dataclass(slots=True)
