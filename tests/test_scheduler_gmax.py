@@ -214,23 +214,41 @@ def test_gmax_jit_prefers_the_request_about_to_miss():
     r = dl("R", 3000, 100, deadline=500.0)
     assert make_policy("gmax-paper", adapt_p=False, starvation_delta=0.0).schedule([u, r], ctx(now=1.0, b=1)).batch == ["R"]
     assert make_policy("gmax", adapt_p=False, starvation_delta=0.0).schedule([u, r], ctx(now=1.0, b=1)).batch == ["U"]
-    # with more slack than one frame U can wait: the dense request runs first
-    u_lax = dl("U", 10, 100, deadline=3.0)
+    # with more slack than the horizon (2 frames of 0.5 s) U can wait: the dense request runs first
+    u_lax = dl("U", 10, 100, deadline=4.0)
     assert make_policy("gmax", adapt_p=False, starvation_delta=0.0).schedule([u_lax, r], ctx(now=1.0, b=1)).batch == ["R"]
 
 
 def test_gmax_jit_admits_a_request_before_admission_control_rejects_it():
     # A: low density, lots of slack, but never scheduled and rejected at admit_by (JITServe §5)
     r = dl("R", 3000, 100, deadline=500.0)
-    pol = make_policy("gmax", adapt_p=False, starvation_delta=0.0)
+    pol = make_policy("gmax", adapt_p=False, starvation_delta=0.0, admit_horizon=1.0)
     far = dl("A", 10, 100, deadline=500.0, admit_by=5.0)
-    assert pol.schedule([far, r], ctx(now=1.0, b=1)).batch == ["R"]  # 4 s left > 0.5 s frame: A can wait
+    assert pol.schedule([far, r], ctx(now=1.0, b=1)).batch == ["R"]  # 4 s left > horizon: A can wait
     near = dl("A2", 10, 100, deadline=500.0, admit_by=1.3)
-    assert pol.schedule([near, r], ctx(now=1.0, b=1)).batch == ["A2"]  # rejected within this frame otherwise
+    assert pol.schedule([near, r], ctx(now=1.0, b=1)).batch == ["A2"]  # rejected before the next decision
+    # the default horizon is unbounded: admission is irreversible, so waiting requests are admitted early
+    assert make_policy("gmax", adapt_p=False, starvation_delta=0.0).schedule([far, r], ctx(now=1.0, b=1)).batch == ["A"]
     # a running request's admit_by is ignored (it was admitted)
     run = RequestView("A3", Kind.DEADLINE, 0.0, 10, 5, 100, True, kv_tokens=15, deadline=500.0, admit_by=1.3)
     d = make_policy("gmax", adapt_p=False, starvation_delta=0.0, full_priorities=True).schedule([run, r], ctx(now=1.0, b=1))
     assert d.priorities["A3"] < d.priorities["R"]
+
+
+def test_gmax_jit_horizon_follows_the_gaps_between_frames():
+    pol = make_policy("gmax", adapt_p=False, starvation_delta=0.0)
+    c = ctx(now=1.0, b=1)  # Δ·v = 0.5 s
+    assert pol.horizon_s(c) == 2 * 0.5  # no frame seen yet: jit_horizon frames
+    views = [dl("R", 10, 10, deadline=500.0)]
+    for k in range(5):  # frames every 0.1 s (arrivals/finishes recompute them before Δ steps pass)
+        pol.schedule(views, ctx(now=1.0 + 0.1 * k, b=1))
+    assert abs(pol.horizon_s(c) - 2 * 0.1) < 1e-9
+    # a request with 0.5 s of laxity is urgent under a whole-frame horizon, not under the measured one
+    u = dl("U", 10, 100, deadline=3.0)  # t_gen 1 s at now 1.5 -> laxity 0.5 s
+    dense = dl("D", 3000, 100, deadline=500.0)
+    assert pol.schedule([u, dense], ctx(now=1.5, b=1)).batch == ["D"]
+    fresh = make_policy("gmax", adapt_p=False, starvation_delta=0.0)
+    assert fresh.schedule([u, dense], ctx(now=1.5, b=1)).batch == ["U"]
 
 
 def test_fairness_blend_prefers_least_attained_when_f_is_one():

@@ -19,6 +19,8 @@ and over the ≤ B displaced requests. Complexity O(N log N).
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -86,13 +88,20 @@ class GMAXParams:
     - ``preempt_margin`` [0.1]: also require ``priority(new) > (1+margin)·priority(old)`` (App. E.2 eq. 9).
     - ``jit`` [True]: *just-in-time* ranking (DESIGN.md §5, our extension; ``gmax-paper`` turns it
       off): the goodput term of the priority is ``marginal + jit_fill·goodput``, where ``marginal`` is
-      the goodput lost if the request is deferred by ``jit_horizon`` frames (tokens of a latency
-      request that would turn late; all of a deadline request's or compound stage group's goodput once
-      its laxity ``t_rem − t_gen`` is below that; all of it for a waiting request whose admission
-      deadline ``admit_by`` falls inside it, JITServe §5). Requests that can wait rank by
-      ``jit_fill·goodput/t_gen`` behind the urgent ones (work conserving). ``jit_fill`` [0.01],
-      ``jit_horizon`` [1.0 frames]. Measured side by side (docs/benchmarks.md, "JIT ranking"):
-      1.15–1.47× the token goodput of ``gmax-paper`` over the cpu-demo and a100 presets at overload.
+      the goodput lost if the request is deferred until the policy's next decision (the horizon
+      :meth:`GMAXPolicy.horizon_s`: ``jit_horizon`` × the longest recent gap between frames, at most
+      ``jit_horizon`` frames of Δ steps): the tokens of a latency request that would turn late; all of
+      a deadline request's or compound stage group's goodput once its laxity ``t_rem − t_gen`` is below
+      the horizon. Requests that can wait rank by ``jit_fill·goodput/t_gen`` behind the urgent ones
+      (work conserving). ``jit_fill`` [0.01], ``jit_horizon`` [2.0]: one decision of slack, since a
+      deferred request is only reconsidered at the next frame.
+    - ``admit_horizon`` [inf s]: a request that has never been scheduled is *at risk* (marginal = all
+      its goodput) once its admission deadline ``admit_by`` (JITServe §5: rejected if not scheduled
+      within ``waiting_time``) is closer than this; inf = always. Admission is the one irreversible
+      step: once admitted a request can be paused at the cost of its KV, never rejected, so JIT admits
+      early and paces the decode just in time. Measured (docs/benchmarks.md "JIT ranking"): with
+      admission control on for every policy, inf turned 0.73 compound attainment into 0.99 (cpu-demo
+      preset, 6 req/s) where a horizon of one frame left tasks to be rejected.
     - ``prefill_weight`` [1.0]: multiplier on the prefill part of ``t_gen`` in the priority's
       denominator (1 = the paper; B would price prefill in slot-seconds, since a prefill stalls the
       whole batch). Measured within noise in the simulator, kept at 1.
@@ -123,7 +132,8 @@ class GMAXParams:
     preempt_margin: float = 0.1
     jit: bool = True
     jit_fill: float = 0.01
-    jit_horizon: float = 1.0
+    jit_horizon: float = 2.0
+    admit_horizon: float = math.inf
     prefill_weight: float = 1.0
     use_true_len: bool = False
     full_priorities: bool = False
@@ -151,6 +161,8 @@ class GMAXParams:
                 f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")
         if self.compound_priority not in ("aggregate", "slowest"):
             raise ValueError(f"compound_priority must be 'aggregate' or 'slowest', got {self.compound_priority!r}")
+        if not self.admit_horizon >= 0:
+            raise ValueError(f"admit_horizon must be >= 0 s, got {self.admit_horizon}")
         if self.jit_horizon <= 0 or self.jit_fill < 0:
             raise ValueError(f"jit_horizon must be > 0 frames and jit_fill >= 0, got {self.jit_horizon}, {self.jit_fill}")
         if self.prefill_weight <= 0:
@@ -222,8 +234,11 @@ def _group_max(values: np.ndarray, group: np.ndarray, n_groups: int, fill: float
     return out
 
 
-def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams) -> Estimates:
+def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: float | None = None) -> Estimates:
     """Compute :class:`Estimates` for every request of ``snap`` at ``ctx.now`` (JITServe §4.2, App. C).
+
+    ``horizon_s`` (JIT mode only) is how far ahead the marginal goodput looks, in seconds: the time
+    until the policy decides again (default ``jit_horizon · Δ · v_token``).
 
     Per kind (DESIGN.md §3): latency goodput = remaining on-time output tokens at the measured
     speed (:func:`ontime_tokens`); deadline / best-effort goodput = ``ω_i·input + ω_o·output`` if
@@ -250,7 +265,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams) -> Estimates:
     t_rem = np.full(n, np.inf)
     feasible = np.zeros(n, bool)
     marginal = np.zeros(n) if prm.jit else None
-    frame_s = prm.delta_steps * v * prm.jit_horizon
+    frame_s = horizon_s if horizon_s is not None else prm.delta_steps * v * prm.jit_horizon
     # integer index arrays (random boolean masks are several times slower on 10^4 rows)
     order = np.argsort(kind, kind="stable")
     bounds = np.searchsorted(kind[order], [LATENCY, DEADLINE, COMPOUND, BEST_EFFORT, BEST_EFFORT + 1])
@@ -319,7 +334,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams) -> Estimates:
         # admission control (JITServe §5) rejects a never-scheduled request at admit_by: deferring it
         # past that loses all of its goodput (a compound call: its whole task's).
         with np.errstate(invalid="ignore"):
-            at_risk = snap.admit_by - now <= frame_s
+            at_risk = snap.admit_by - now <= max(frame_s, prm.admit_horizon)
         if comp_i.size:
             g_risk = _group_max(at_risk[comp_i].astype(float), snap.group[comp_i], snap.n_groups, 0.0) > 0
             at_risk[comp_i] = g_risk[snap.group[comp_i]]
@@ -387,6 +402,7 @@ class GMAXPolicy:
         self._last_step: int | None = None
         self._cache = SnapshotCache(need_attained=prm.fairness > 0, need_admit_by=prm.jit)
         self.last_estimates: Estimates | None = None
+        self._gaps: deque[float] = deque(maxlen=32)  # seconds between consecutive frames (JIT horizon)
 
     # ---- Policy protocol -------------------------------------------------------------------
     def needs_recompute(self, step: int, arrivals_or_finishes: bool) -> bool:
@@ -428,7 +444,7 @@ class GMAXPolicy:
         ``marginal + jit_fill·goodput``. Then the optional fairness blend (§4.3).
         """
         prm = self.params
-        est = estimate(snap, ctx, prm)
+        est = estimate(snap, ctx, prm, self.horizon_s(ctx) if prm.jit else None)
         n = snap.n
         frame_s = prm.delta_steps * ctx.token_time
         last = snap.arrival if last_served is None else np.fmax(last_served, snap.arrival)
@@ -447,6 +463,15 @@ class GMAXPolicy:
             prio = ((1.0 - prm.fairness) * prio / scale + prm.fairness * np.asarray(fair, float)) * scale
         return prio, est
 
+    def horizon_s(self, ctx: SchedContext) -> float:
+        """JIT look-ahead in seconds: ``jit_horizon × min(Δ·v_token, longest of the last 32 gaps
+        between frames)``. Frames are recomputed on arrivals and finishes too, so a deferred request
+        is reconsidered long before Δ steps pass on a busy engine; looking a whole Δ ahead would make
+        every request "urgent" when Δ·v_token exceeds the SLOs (e.g. 50 steps of 0.1 s on a CPU)."""
+        frame_s = self.params.delta_steps * ctx.token_time
+        gap = max(self._gaps) if self._gaps else frame_s
+        return self.params.jit_horizon * min(frame_s, gap)
+
     def priorities(self, views: Sequence[RequestView], ctx: SchedContext) -> np.ndarray:
         """Priorities of ``views`` under ``ctx`` without deciding (no state change); used by power-of-K."""
         validate_context(ctx)
@@ -457,6 +482,8 @@ class GMAXPolicy:
         """Run one GMAX frame (JITServe Alg. 1 + cost-aware preemption); see the module docstring."""
         validate_context(ctx)
         self.frame_id += 1
+        if self._prev_now is not None and ctx.now > self._prev_now:
+            self._gaps.append(ctx.now - self._prev_now)
         snap = self._cache.build(views)
         n, b = snap.n, ctx.batch_size
         if n == 0:
