@@ -23,13 +23,12 @@ def vllm_url(tmp_path_factory):
         yield url
 
 
-@pytest.mark.xfail(strict=False, reason="timing-dependent on a shared 2-core machine; open in issue 3")
 def test_vllm_server_with_plugin_follows_gmax(vllm_url):
     stop = threading.Event()
     progress = [0, 0]
 
     def hog(i: int) -> None:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "story"}], "max_tokens": 3500,
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "story"}], "max_tokens": 4000,
                 "ignore_eos": True, "stream": True, "vllm_xargs": {"jf_kind": "best_effort"}}
         with httpx.Client(timeout=120) as c, c.stream("POST", vllm_url + "/v1/chat/completions", json=body) as r:
             for line in r.iter_lines():
@@ -43,13 +42,23 @@ def test_vllm_server_with_plugin_follows_gmax(vllm_url):
         t.start()
     try:
         t0 = time.time()
-        while min(progress) < 5 and time.time() - t0 < 60:
+
+        def engine_running() -> float:  # the engine's own count, not the client's view of the streams
+            lines = httpx.get(vllm_url + "/metrics").text.splitlines()
+            return max([float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("vllm:num_requests_running")],
+                       default=0.0)
+
+        while engine_running() < 2 and time.time() - t0 < 60:
             time.sleep(0.05)
-        assert min(progress) >= 5, "best-effort requests did not start"
+        assert engine_running() >= 2, "best-effort requests did not start"
         t1 = time.time()
         r = httpx.post(vllm_url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "quick"}], "max_tokens": 40,
-            "ignore_eos": True, "vllm_xargs": {"jf_kind": "deadline", "jf_deadline": 3.0, "jf_arrival": t1}})
+            "ignore_eos": True, "vllm_xargs": {"jf_kind": "deadline", "jf_deadline": 3.0, "jf_arrival": t1,
+                                                  # what the jitflow server sends by default: admission
+                                                  # within 5 s, so GMAX admits it at once (JIT otherwise
+                                                  # defers it until its laxity runs low)
+                                                  "jf_waiting_time": 5.0}})
         e2el = time.time() - t1
         metrics = httpx.get(vllm_url + "/metrics").text
     finally:
@@ -58,7 +67,7 @@ def test_vllm_server_with_plugin_follows_gmax(vllm_url):
             t.join(timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 40
-    # With B=2 both slots are held by 3,500-token requests; only a scheduler that ranks the deadline
+    # With B=2 both slots are held by 4,000-token requests; only a scheduler that ranks the deadline
     # request first finishes it while both are still unfinished (vLLM's FCFS would wait for one to end).
     running = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("vllm:num_requests_running")]

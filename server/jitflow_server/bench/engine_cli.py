@@ -155,6 +155,9 @@ def register(bench_app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
         port: Optional[int] = typer.Option(None, "--port", help="Server port (default: a free one)."),
         preset: str = typer.Option("cpu-demo", "--preset", help="Step model used for the analyzer's time model."),
+        warmup: float = typer.Option(10.0, "--warmup", min=0.0, help="Seconds of unrecorded load (a different "
+                                     "seed, first policy) before the measured runs, so the first policy does not "
+                                     "run on a cold engine (0 = none)."),
     ) -> None:
         """Drive the real embedded vLLM engine with the mixed workload, one policy after another (issue 3 §6)."""
         from rich.console import Console
@@ -169,6 +172,14 @@ def register(bench_app: typer.Typer) -> None:
             with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
                                log_path=out / "server.log") as srv:
                 con.print(f"server up at {srv.base_url}")
+                if warmup > 0:
+                    from jitflow_server.bench.workload import make_workload
+
+                    warm = make_workload(max(1, int(round(warmup * rps))), rps, data=ds, seed=seed + 1000,
+                                         length_scale=length_scale, max_context=8000, tightness=tightness)
+                    con.print(f"warm-up: {len(warm)} requests over {warmup:g} s (not recorded)")
+                    run_engine_policies(srv, warm, pols[:1], pm, length_scale, ds, waiting_time or None, seed,
+                                        baseline_delta)
                 runs = run_engine_policies(srv, jobs, pols, pm, length_scale, ds, waiting_time or None, seed,
                                            baseline_delta, console=con)
         except EngineBenchError as e:
@@ -176,7 +187,7 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.Exit(1) from None
         res = {"config": {"model": model, "policies": pols, "duration": duration, "rps": rps, "requests": len(jobs),
                           "batch_size": batch_size, "length_scale": length_scale, "waiting_time": waiting_time,
-                          "tightness": tightness,
+                          "tightness": tightness, "warmup": warmup,
                           "baseline_delta": baseline_delta, "seed": seed, "data": ds.origin},
                "policies": runs}
         cmd = _command(f"jitflow bench engine --duration {duration} --rps {rps} --out {out}")
