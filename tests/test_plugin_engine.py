@@ -157,6 +157,9 @@ def test_request_not_admitted_within_waiting_time_is_rejected_and_freed(server_u
         assert st["rejected"] == before + 1
         # the rejected request left the engine; at most the long request is still there
         assert st["unfinished"] <= 1 and st["waiting"] == 0
+        st2 = httpx.get(server_url + "/v1/jitflow/engine").json()
+        assert st2["running"] == 1, ("the long request left the engine early", st2, hog.status, hog.tokens,
+                                     hog.created_at, hog.sent_at, hog.timing, time.time())
         with jitflow.Client(base_url=server_url) as client, pytest.raises(jitflow.AdmissionRejectedError) as ei:
             client.chat.completions.create(model="tiny", messages=MSG, max_tokens=10,
                                            slo=jitflow.Deadline(30, waiting_time=0.3))
