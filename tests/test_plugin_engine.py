@@ -8,6 +8,7 @@ decode steps.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import threading
 import time
@@ -71,7 +72,11 @@ class Hog:
 def wait_running(url: str, n: int, hogs: list[Hog], timeout: float = 60.0) -> None:
     """Wait until the engine itself (not the client's view of the stream) runs ``n`` requests."""
     t0 = time.time()
+    dumped = False
     while time.time() - t0 < timeout:
+        if not dumped and time.time() - t0 > 5.0:  # diagnostics for issue 3's flaky runs: where is each thread?
+            faulthandler.dump_traceback(all_threads=True)
+            dumped = True
         bad = [(h.status, h.error) for h in hogs if h.error is not None]
         assert not bad, f"a long request failed: {bad}"
         st = httpx.get(url + "/v1/jitflow/engine", timeout=30).json()
