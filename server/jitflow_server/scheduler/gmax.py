@@ -102,9 +102,6 @@ class GMAXParams:
       early and paces the decode just in time. Measured (docs/benchmarks.md "JIT ranking"): with
       admission control on for every policy, inf turned 0.73 compound attainment into 0.99 (cpu-demo
       preset, 6 req/s) where a horizon of one frame left tasks to be rejected.
-    - ``prefill_weight`` [1.0]: multiplier on the prefill part of ``t_gen`` in the priority's
-      denominator (1 = the paper; B would price prefill in slot-seconds, since a prefill stalls the
-      whole batch). Measured within noise in the simulator, kept at 1.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -134,7 +131,6 @@ class GMAXParams:
     jit_fill: float = 0.01
     jit_horizon: float = 2.0
     admit_horizon: float = math.inf
-    prefill_weight: float = 1.0
     use_true_len: bool = False
     full_priorities: bool = False
     starvation_clock: str = "waiting"
@@ -165,8 +161,6 @@ class GMAXParams:
             raise ValueError(f"admit_horizon must be >= 0 s, got {self.admit_horizon}")
         if self.jit_horizon <= 0 or self.jit_fill < 0:
             raise ValueError(f"jit_horizon must be > 0 frames and jit_fill >= 0, got {self.jit_horizon}, {self.jit_fill}")
-        if self.prefill_weight <= 0:
-            raise ValueError(f"prefill_weight must be > 0, got {self.prefill_weight}")
         if self.stall_value not in ("goodput", "tokens"):
             raise ValueError(f"stall_value must be 'goodput' or 'tokens', got {self.stall_value!r}")
         if self.preempt_margin < 0:
@@ -192,7 +186,6 @@ class Estimates:
     base: np.ndarray
     feasible: np.ndarray
     marginal: np.ndarray | None = None
-    t_pre: np.ndarray | None = None
 
 
 def ontime_tokens(
@@ -322,7 +315,6 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         g_ok = max_tgen <= budget + 1e-9
         den = (sum_tgen if prm.compound_priority == "aggregate" else max_tgen) + rem_future
         t_gen[i] = den[g]
-        pre[i] = np.bincount(g, pre[i], minlength=ng)[g]
         t_rem[i] = stage_rem[g]
         base[i] = g_tokens[g]
         feasible[i] = g_ok[g]
@@ -339,7 +331,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
             g_risk = _group_max(at_risk[comp_i].astype(float), snap.group[comp_i], snap.n_groups, 0.0) > 0
             at_risk[comp_i] = g_risk[snap.group[comp_i]]
         marginal = np.where(at_risk, goodput, marginal)
-    return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal, pre)
+    return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)
 
 
 def select_window(prio: np.ndarray, input_len: np.ndarray, batch_size: int, p: float) -> tuple[np.ndarray, dict]:
@@ -455,8 +447,7 @@ class GMAXPolicy:
             waited[comp] = gw[snap.group[comp]]
         gain = est.goodput if est.marginal is None else est.marginal + prm.jit_fill * est.goodput
         num = gain + (prm.starvation_delta * waited + 1e-6) * est.base
-        cost = est.t_gen if prm.prefill_weight == 1.0 else est.t_gen + (prm.prefill_weight - 1.0) * est.t_pre
-        prio = num / np.maximum(cost, 1e-9)
+        prio = num / np.maximum(est.t_gen, 1e-9)
         if prm.fairness > 0 and n:
             fair = (prm.fair_fn or default_fair)(snap, ctx)
             scale = float(prio.max()) or 1.0
@@ -557,8 +548,9 @@ class GMAXPolicy:
         n_batch = int(in_batch.sum())
         speed = max(n_batch, 1) / ctx.token_time  # tokens/s the whole batch generates (lost during a stall)
         by_goodput = prm.stall_value == "goodput"
-        grate = est.goodput / np.maximum(est.t_gen, 1e-9)  # goodput tokens/s each request earns when served
-        batch_rate = float(grate[in_batch].sum())
+        if by_goodput:
+            grate = est.goodput / np.maximum(est.t_gen, 1e-9)  # goodput tokens/s each request earns when served
+            batch_rate = float(grate[in_batch].sum())
         rate = ctx.swap_rate or ctx.prefill_rate
         fits = False
         if ctx.kv_capacity_tokens is not None:
