@@ -49,8 +49,10 @@ def running_server(cmd: list[str], log: Path, env: dict[str, str] | None = None,
     port = cmd[cmd.index("--port") + 1]
     url = f"http://127.0.0.1:{port}"
     with open(log, "wb") as fh:
+        # own process group, not a new session (which the kernel's autogroup scheduling would starve the
+        # test process against): see SERVER_PROCESS_GROUP in jitflow_server/bench/real.py
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env or dict(os.environ),
-                                start_new_session=True)
+                                **({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}))
     try:
         t0 = time.time()
         while True:

@@ -4,20 +4,28 @@ Scenarios are built so the outcome is certain on any machine speed: the engine i
 saturated (B=2) by two best-effort requests of 4,000 tokens each (the test server's context
 is 4,096), which take many seconds even on a fast CPU, while the probe request needs ~40
 decode steps.
+
+Two things make them independent of the test client's own timing, which on the 2-core CI
+machine is not reliable (a client process can be left without CPU for 10+ s while the engine
+runs; measured in issue 3): the long requests are submitted while the engine is paused
+(``/v1/jitflow/engine/pause``), so they start in the same step; and every ordering claim is
+judged on the engine's own event timeline (``/v1/jitflow/engine/events``), not on when the
+client happened to look.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
 import jitflow
 from conftest import wait_idle
+from longstream import LongStream
 
 pytestmark = pytest.mark.engine
 
@@ -25,151 +33,177 @@ MSG = [{"role": "user", "content": "Write a long story about schedules."}]
 HOG_TOKENS = 4000
 
 
-class Hog:
-    """A long best-effort streaming request running in a thread until stopped."""
-
-    def __init__(self, url: str, max_tokens: int = HOG_TOKENS) -> None:
-        self.url = url
-        self.max_tokens = max_tokens
-        self.started = threading.Event()
-        self.stop = threading.Event()
-        self.tokens = 0
-        self.timing: dict | None = None  # the server's jitflow timing object (final chunk), if it finished
-        self.status: int | None = None
-        self.error: str | None = None
-        self.created_at = time.time()
-        self.sent_at: float | None = None  # when the client started sending (diagnostics)
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
-
-    def _run(self) -> None:
-        body = {"model": "tiny", "messages": MSG, "max_tokens": self.max_tokens, "stream": True,
-                "ignore_eos": True, "slo": {"kind": "best_effort"}}
-        hooks = {"request": [lambda req: setattr(self, "sent_at", time.time())]}
-        with httpx.Client(timeout=120, event_hooks=hooks) as c, \
-                c.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
-            self.status = r.status_code
-            if r.status_code != 200:
-                self.error = r.read().decode(errors="replace")
-                return
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if "jitflow" in chunk:
-                        self.timing = chunk["jitflow"]
-                    elif chunk.get("choices"):
-                        self.tokens += 1
-                        if self.tokens >= 3:
-                            self.started.set()
-                if self.stop.is_set():
-                    break
-
-    def close(self) -> None:
-        self.stop.set()
-        self.t.join(timeout=60)
+def long_request(url: str, max_tokens: int = HOG_TOKENS) -> LongStream:
+    """A long best-effort streaming request, read in a child process (see ``longstream.py``)."""
+    return LongStream(url, {"model": "tiny", "messages": MSG, "max_tokens": max_tokens, "ignore_eos": True,
+                            "slo": {"kind": "best_effort"}})
 
 
-def wait_running(url: str, n: int, hogs: list[Hog], timeout: float = 60.0) -> None:
-    """Wait until the engine itself (not the client's view of the stream) runs ``n`` requests."""
+def wait_for(c: httpx.Client, pred: Callable[[dict], bool], what: str, hogs: list[LongStream],
+             timeout: float = 120.0) -> dict:
+    """Poll ``/v1/jitflow/engine`` until ``pred(stats)``; fail naming ``what`` (with the stats) on timeout."""
     t0 = time.time()
-    dumped = False
+    st: dict = {}
     while time.time() - t0 < timeout:
-        if not dumped and time.time() - t0 > 5.0:  # diagnostics for issue 3's flaky runs: where is each thread?
-            faulthandler.dump_traceback(all_threads=True)
-            dumped = True
-        bad = [(h.status, h.error) for h in hogs if h.error is not None]
+        bad = [h.describe() for h in hogs if h.error is not None]
         assert not bad, f"a long request failed: {bad}"
-        st = httpx.get(url + "/v1/jitflow/engine", timeout=30).json()
-        if st["running"] >= n:
-            return
+        st = c.get("/v1/jitflow/engine").json()
+        if pred(st):
+            return st
         time.sleep(0.05)
-    raise AssertionError(f"the engine did not reach {n} running requests in {timeout} s: {st}; "
-                         f"hogs: {[(h.status, h.tokens, h.created_at, h.sent_at, h.timing) for h in hogs]}")
+    raise AssertionError(f"{what} not reached in {timeout} s: {st}; long requests: {[h.describe() for h in hogs]}")
 
 
-def _probe(url: str, deadline: float, max_tokens: int = 40) -> dict:
-    r = httpx.post(url + "/v1/chat/completions", timeout=400, json={
+@contextmanager
+def paused(c: httpx.Client) -> Iterator[None]:
+    """Hold the engine's scheduling (nothing is lost) for the duration of the block."""
+    assert c.post("/v1/jitflow/engine/pause").json()["paused"] is True
+    try:
+        yield
+    finally:
+        assert c.post("/v1/jitflow/engine/resume").json()["paused"] is False
+
+
+def engine_events(c: httpx.Client) -> list[tuple[float, str, str, str]]:
+    """The engine's recent request events ``(unix s, event, engine request id, detail)``."""
+    return [tuple(e) for e in c.get("/v1/jitflow/engine/events").json()["engine"]]
+
+
+def when(events: list, kind: str, rid: str) -> float:
+    """Time of the first ``kind`` event of the server request ``rid`` (engine ids extend it); inf if none."""
+    return min((t for t, k, r, _ in events if k == kind and r.startswith(rid)), default=float("inf"))
+
+
+@contextmanager
+def explain(c: httpx.Client, hogs: list[LongStream]) -> Iterator[None]:
+    """On an assertion failure, append the server's and the engine's recent request events."""
+    try:
+        yield
+    except AssertionError as exc:
+        try:
+            ev = c.get("/v1/jitflow/engine/events").json()
+            lines = sorted([(e[0], "server", *e[1:]) for e in ev["server"]] +
+                           [(e[0], "engine", *e[1:]) for e in ev["engine"]])
+            t0 = lines[0][0] if lines else 0.0
+            text = "\n".join(f"{t - t0:9.3f} {src:6} {kind:11} {rid} {d}" for t, src, kind, rid, d in lines[-80:])
+        except Exception as e2:  # the diagnostics must not hide the failure
+            text = f"(events unavailable: {e2})"
+        raise AssertionError(f"{exc}\nlong requests: {[h.describe() for h in hogs]}\n"
+                             f"recent events (s since first):\n{text}") from exc
+
+
+def start_long_requests(c: httpx.Client, url: str, n: int) -> list[LongStream]:
+    """Submit ``n`` long requests while the engine is paused, so they start together; wait until they run."""
+    hogs: list[LongStream] = []
+    with paused(c):
+        hogs = [long_request(url) for _ in range(n)]
+        wait_for(c, lambda st: st["waiting"] >= n, f"{n} queued long requests", hogs)
+    wait_for(c, lambda st: st["running"] >= n, f"{n} running long requests", hogs)
+    for h in hogs:  # their server request ids arrive with the response headers
+        assert h.started.wait(120), h.describe()
+    return hogs
+
+
+def _probe(c: httpx.Client, deadline: float, max_tokens: int = 40) -> dict:
+    r = c.post("/v1/chat/completions", timeout=400, json={
         "model": "tiny", "messages": [{"role": "user", "content": "quick"}], "max_tokens": max_tokens,
         "ignore_eos": True, "slo": {"kind": "deadline", "deadline": deadline, "waiting_time": 300}})
     assert r.status_code == 200, r.text
     return r.json()["jitflow"]
 
 
-FLAKY = pytest.mark.xfail(
-    strict=False,
-    reason="flaky in some multi-module runs (about 1 in 3 after tests/test_tasks_e2e.py): the long requests "
-    "are sometimes not in the engine together (server-side arrival of the second one ~30 s late, or the "
-    "long request already gone when the next request arrives); the policy's decisions are not involved. "
-    "Open in issue 3; the assertion messages carry the client send times and server timings to find it",
-)
-
-
-@FLAKY
-@pytest.mark.parametrize("name", ["gmax", "fcfs"])
-def test_tight_deadline_behind_long_best_effort(server_url, policy, name):
-    policy(name, batch_size=2)
-    hogs = [Hog(server_url), Hog(server_url)]
-    try:
-        wait_running(server_url, 2, hogs)
-        t0 = time.time()
-        timing = _probe(server_url, deadline=3.0)
-        elapsed = time.time() - t0
-        after = httpx.get(server_url + "/v1/jitflow/engine", timeout=30).json()
-        if name == "fcfs":  # let the hogs finish: their final chunks carry the server's timing
+def test_gmax_runs_a_tight_deadline_ahead_of_long_best_effort(server_url, policy):
+    policy("gmax", batch_size=2)
+    hogs: list[LongStream] = []
+    with httpx.Client(base_url=server_url, timeout=60) as c, explain(c, hogs):
+        try:
+            hogs += start_long_requests(c, server_url, 2)
+            timing = _probe(c, deadline=3.0)
+            ev = engine_events(c)
+        finally:
             for h in hogs:
-                h.t.join(timeout=300)
-    finally:
+                h.close()
+        assert timing["output_tokens"] == 40
+        # GMAX runs the deadline request ahead of (pausing) a best-effort one: it meets its 3-s deadline,
+        # and, on the engine's clock, both long requests were running before it arrived and still
+        # unfinished when it finished.
+        assert timing["slo_met"] is True, sorted(timing.items())
+        probe = timing["request_id"]
         for h in hogs:
-            h.close()
-    assert timing["output_tokens"] == 40
-    # Judged on the server's clock: on this 2-core machine the client can read the hogs' streams
-    # seconds behind the engine, so client-side token counts and wall times prove nothing.
-    if name == "gmax":
-        # GMAX runs the deadline request ahead of (pausing) a best-effort one.
-        assert timing["slo_met"] is True, (sorted(timing.items()), elapsed)
-        assert after["unfinished"] >= 2, (after, sorted(timing.items()), [(h.status, h.tokens, h.created_at, h.sent_at, h.timing) for h in hogs])  # both hogs still unfinished
-    else:
-        # vLLM's FCFS keeps both long requests running (B = 2): the probe starts only once one of them
-        # has finished all its tokens, which (HOG_TOKENS decode steps) is long after its 3-s deadline.
-        done = [h.timing["last_token_time"] for h in hogs if h.timing is not None]
-        assert done, "no hog finished although the probe did: the B = 2 cap did not hold"
-        assert timing["first_token_time"] >= min(done) - 0.05, (sorted(timing.items()), done)
-        assert min(done) - timing["arrival"] > 3.0, ("scenario not realised: the hogs were nearly done "
-                                                     "when the probe reached the server", done, timing)
-        assert timing["slo_met"] is False, (sorted(timing.items()), elapsed)
-    st = wait_idle(server_url)
-    assert st["unfinished"] == 0
+            assert when(ev, "first_sched", h.rid) < when(ev, "add", probe)
+            assert when(ev, "finish", h.rid) > when(ev, "finish", probe)
+        st = wait_idle(server_url)
+        assert st["unfinished"] == 0
 
 
-@FLAKY
+def test_fcfs_keeps_the_tight_deadline_behind_long_best_effort(server_url, policy):
+    policy("fcfs", batch_size=2)
+    hogs: list[LongStream] = []
+    out: dict = {}
+
+    def probe() -> None:
+        with httpx.Client(base_url=server_url, timeout=60) as pc:
+            out["timing"] = _probe(pc, deadline=3.0)
+
+    with httpx.Client(base_url=server_url, timeout=60) as c, explain(c, hogs):
+        t = threading.Thread(target=probe, daemon=True)
+        try:
+            # The probe arrives after both long requests (all three queued while paused): vLLM's FCFS
+            # admits the two long ones (B = 2) and the probe waits until one of them has finished.
+            with paused(c):
+                hogs += [long_request(server_url) for _ in range(2)]
+                wait_for(c, lambda st: st["waiting"] >= 2, "2 queued long requests", hogs)
+                t.start()
+                wait_for(c, lambda st: st["waiting"] >= 3, "the queued probe", hogs)
+            t.join(timeout=400)
+            assert "timing" in out, "the probe did not finish"
+            ev = engine_events(c)
+        finally:
+            for h in hogs:
+                h.close()
+        timing = out["timing"]
+        assert timing["output_tokens"] == 40
+        probe_start = when(ev, "first_sched", timing["request_id"])
+        first_done = min(when(ev, "finish", h.rid) for h in hogs)
+        assert first_done < float("inf"), "no long request finished although the probe ran: B = 2 did not hold"
+        assert probe_start >= first_done, (probe_start, first_done)
+        assert timing["slo_met"] is False, sorted(timing.items())
+        st = wait_idle(server_url)
+        assert st["unfinished"] == 0
+
+
 def test_request_not_admitted_within_waiting_time_is_rejected_and_freed(server_url, policy):
     policy("fcfs", batch_size=1)
-    hog = Hog(server_url)
-    try:
-        wait_running(server_url, 1, [hog])
-        before = httpx.get(server_url + "/v1/jitflow/engine").json()["rejected"]
-        t0 = time.time()
-        r = httpx.post(server_url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": MSG, "max_tokens": 10,
-            "slo": {"kind": "deadline", "deadline": 30, "waiting_time": 0.5}})
-        waited = time.time() - t0
-        assert r.status_code == 429, r.text
-        assert r.json()["error"]["type"] == "admission_rejected"
-        assert r.json()["error"]["param"] == "slo.waiting_time"
-        assert int(r.headers["Retry-After"]) >= 1
-        assert 0.5 <= waited < 20
-        st = httpx.get(server_url + "/v1/jitflow/engine").json()
-        assert st["rejected"] == before + 1
-        # the rejected request left the engine; at most the long request is still there
-        assert st["unfinished"] <= 1 and st["waiting"] == 0
-        st2 = httpx.get(server_url + "/v1/jitflow/engine").json()
-        assert st2["running"] == 1, ("the long request left the engine early", st2, hog.status, hog.tokens,
-                                     hog.created_at, hog.sent_at, hog.timing, time.time())
-        with jitflow.Client(base_url=server_url) as client, pytest.raises(jitflow.AdmissionRejectedError) as ei:
-            client.chat.completions.create(model="tiny", messages=MSG, max_tokens=10,
-                                           slo=jitflow.Deadline(30, waiting_time=0.3))
-        assert ei.value.retry_after is not None
-    finally:
-        hog.close()
-    st = wait_idle(server_url)
-    assert st["unfinished"] == 0 and st["frontend_unfinished"] == 0
+    hogs: list[LongStream] = []
+    with httpx.Client(base_url=server_url, timeout=60) as c, explain(c, hogs):
+        try:
+            hogs += start_long_requests(c, server_url, 1)
+            before = c.get("/v1/jitflow/engine").json()["rejected"]
+            t0 = time.time()
+            r = c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": MSG, "max_tokens": 10,
+                "slo": {"kind": "deadline", "deadline": 30, "waiting_time": 0.5}})
+            waited = time.time() - t0
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["type"] == "admission_rejected"
+            assert r.json()["error"]["param"] == "slo.waiting_time"
+            assert int(r.headers["Retry-After"]) >= 1
+            assert waited >= 0.5
+            st = c.get("/v1/jitflow/engine").json()
+            assert st["rejected"] == before + 1
+            # the rejected request left the engine; at most the long request is still there
+            assert st["unfinished"] <= 1 and st["waiting"] == 0
+            with jitflow.Client(base_url=server_url) as client, pytest.raises(jitflow.AdmissionRejectedError) as ei:
+                client.chat.completions.create(model="tiny", messages=MSG, max_tokens=10,
+                                               slo=jitflow.Deadline(30, waiting_time=0.3))
+            assert ei.value.retry_after is not None
+            ev = engine_events(c)
+        finally:
+            for h in hogs:
+                h.close()
+        # Both rejections happened while the long request held the only slot (engine clock).
+        rejects = [t for t, k, _, _ in ev if k == "reject" and t > when(ev, "first_sched", hogs[0].rid)]
+        assert len(rejects) >= 2
+        assert max(rejects) < when(ev, "finish", hogs[0].rid), "the long request left the engine early"
+        st = wait_idle(server_url)
+        assert st["unfinished"] == 0 and st["frontend_unfinished"] == 0

@@ -441,8 +441,10 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "jitflow_server.cli", "serve", *self.args]
         env = {**os.environ, **self.env}
         with open(self.log_path, "wb") as fh:
-            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            # own process group, same session: see SERVER_PROCESS_GROUP in jitflow_server/bench/real.py
+            from jitflow_server.bench.real import SERVER_PROCESS_GROUP
+
+            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, **SERVER_PROCESS_GROUP)
 
     def alive(self) -> bool:
         """True while the process runs."""

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ class ServerState:
         self.length = None  # jitflow_server.analyzer.length_service.LengthService
         self.live: dict[str, _Call] = {}  # in-flight calls (for pushing refined length bounds)
         self._pushed: dict[str, int] = {}
+        #: Recent request lifecycle events seen by the HTTP server ``(unix s, event, request id, detail)``:
+        #: arrive / first_token / done / abort (diagnostics, bounded; ``GET /v1/jitflow/engine/events``).
+        self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
 
     async def push_bounds(self, period: float = 0.1) -> None:
         """Background task: send refined length bounds of in-flight requests to the scheduler.
@@ -193,6 +197,7 @@ class _Call:
     async def close(self) -> None:
         """Abort the engine request if it is still running and stop the producer (no leaks)."""
         if not self.finished:
+            self.state.events.append((time.time(), "abort", self.rid, f"tokens={len(self.timing.token_times)}"))
             try:
                 await self.state.engine.abort(self.rid)
             except Exception:  # engine already gone
@@ -288,6 +293,27 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         if state.length is not None:
             st["length_predictor"] = {"model": state.length.predictor is not None, **state.length.stats}
         return st
+
+    @app.post("/v1/jitflow/engine/pause")
+    async def engine_pause():
+        """Stop scheduling without losing work: running requests keep their KV cache, new requests queue
+        (admission control still rejects those whose ``waiting_time`` passes). For maintenance and for
+        setting up reproducible scenarios; undo with ``/v1/jitflow/engine/resume``."""
+        await eng.pause()
+        return {"paused": await eng.is_paused()}
+
+    @app.post("/v1/jitflow/engine/resume")
+    async def engine_resume():
+        """Resume scheduling after ``/v1/jitflow/engine/pause``."""
+        await eng.resume()
+        return {"paused": await eng.is_paused()}
+
+    @app.get("/v1/jitflow/engine/events")
+    async def engine_events():
+        """Recent request lifecycle events (diagnostics), oldest first, each ``[unix s, event, request id,
+        detail]``: ``engine`` from the scheduler plug-in (add, first_sched, preempt, finish, reject) and
+        ``server`` from the HTTP layer (arrive, first_token, done, abort)."""
+        return {"engine": await eng.rpc("events"), "server": [list(e) for e in state.events]}
 
     @app.post("/v1/jitflow/policy")
     async def set_policy(body: dict):
@@ -462,6 +488,7 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
     if task_ctx is not None:
         span.set_attributes({"jitflow.task_id": task_ctx.task_id, "jitflow.stage_index": task_ctx.stage_index})
     call = _Call(state, rid, prompt_ids, sp, timing, waiting_time, headers or None)
+    state.events.append((arrival, "arrive", rid, f"{slo.kind} max_tokens={max_tokens} stream={bool(body.stream)}"))
     state.in_flight += 1
     state.waiting_first_token += 1
     state.live[rid] = call
@@ -485,6 +512,7 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
             state.tasks.on_call_end(task_ctx, rid, timing, ok=False)
         raise
     state.waiting_first_token -= 1
+    state.events.append((time.time(), "first_token", rid, ""))
 
     recorded: list[dict] = []
 
@@ -493,6 +521,7 @@ async def _serve(state: ServerState, body, prompt_ids: list[int], request: Reque
             return recorded[0]
         summary = timing.summary(finished_ok=ok)
         recorded.append(summary)
+        state.events.append((time.time(), "done", rid, f"ok={ok} tokens={summary['output_tokens']}"))
         state.live.pop(rid, None)
         state._pushed.pop(rid, None)
         if state.length is not None and ok:

@@ -22,7 +22,10 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
     Rates: ``token_goodput`` (goodput tokens/s) and ``request_goodput`` (jobs meeting their SLO per
     second) are divided by ``span_s`` (the workload's arrival window, identical for every policy on
     the same workload, so the rates compare like the totals); ``throughput`` (generated output
-    tokens/s) by ``makespan_s`` (first arrival to last token of this run). Per kind: count, SLO
+    tokens/s) by ``makespan_s`` (first arrival to last token of this run); ``throughput_window``
+    (output tokens generated up to the last arrival / ``span_s``: the steady-state rate, without the
+    drain after the last arrival, whose length depends on how much backlog a policy carries; only
+    when every record has ``output_tokens_window``). Per kind: count, SLO
     attainment (rejected and unfinished jobs count as missed), goodput tokens, rejections, P50/P95 of
     TTFT, TBT (per-job mean gap, latency kind) and E2EL over the jobs that produced them. Frame
     scheduling time P50/P99 in ms when ``frame_ms`` is given.
@@ -40,6 +43,8 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
         "slo_attainment": met / n if n else 0.0,
         "throughput": out / max(makespan_s, 1e-9),
         "output_tokens": out,
+        "throughput_window": (sum(j["output_tokens_window"] for j in jobs) / span
+                              if jobs and all("output_tokens_window" in j for j in jobs) else None),
         "rejected": sum(1 for j in jobs if j.get("rejected")),
         "preemptions": int(sum(j.get("preemptions", 0) for j in jobs)),
         "span_s": span_s,

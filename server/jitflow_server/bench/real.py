@@ -26,6 +26,15 @@ import numpy as np
 from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
 from jitflow_server.bench.workload import Job
 
+#: ``Popen`` keyword for server subprocesses: their own process group (so the engine-core and
+#: worker processes are stopped together with ``killpg``) but NOT a new session. With the kernel's
+#: autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``), a new session is a separate
+#: CPU group, and on the 2-core reference machine (Linux 6.18) the busy engine's group left the
+#: client's processes with almost no CPU: a busy loop got 0.1 s of CPU in 15 s, with 8-s gaps, while
+#: the engine generated; in the same session it got its fair share. Load generators and tests that
+#: timed their requests were then seconds late (issue 3).
+SERVER_PROCESS_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+
 
 class EngineBenchError(RuntimeError):
     """The server did not start, died, or answered unexpectedly."""
@@ -65,7 +74,7 @@ class ServerProcess:
                "serve", "--model", self.model, "--port", str(self.port), "--policy", self.policy,
                "--batch-size", str(self.batch_size), *self.extra]
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, **SERVER_PROCESS_GROUP)
         t0 = time.time()
         try:
             while time.time() - t0 < self.startup_timeout:

@@ -36,6 +36,7 @@ import time
 from collections import deque
 from typing import Any
 
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
@@ -119,6 +120,9 @@ class JitflowScheduler(Scheduler):
         self._plan_batch: list[str] = []
         self._plan_preempt: list[str] = []
         self._t_sched_end: float | None = None
+        #: Recent request lifecycle events ``(unix s, event, request id, detail)``, newest last
+        #: (``jitflow_rpc("events")``; diagnostics, bounded).
+        self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
         self._set_policy(str(cfg.get("policy", "fcfs")), dict(cfg.get("params") or {}))
 
     # ---------------------------------------------------------------- policy
@@ -135,16 +139,26 @@ class JitflowScheduler(Scheduler):
         m = _Meta(request)
         self.meta[request.request_id] = m
         self.by_jf[m.jf_id] = request.request_id
+        self._event("add", request.request_id, f"{m.kind.value} max_tokens={request.max_tokens}")
         self._dirty = True
+
+    def _event(self, kind: str, req_id: str, detail: str = "") -> None:
+        self.events.append((time.time(), kind, req_id, detail))
 
     def _forget(self, req_id: str) -> None:
         m = self.meta.pop(req_id, None)
         if m is not None and self.by_jf.get(m.jf_id) == req_id:
             del self.by_jf[m.jf_id]
 
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False,
+                         why: str = "vllm") -> None:  # type: ignore[override]
+        super()._preempt_request(request, timestamp, drop_stale_output)
+        self._event("preempt", request.request_id, why)
+
     def finish_requests(self, request_ids, finished_status):  # type: ignore[override]
         done = super().finish_requests(request_ids, finished_status)
         for r in done:
+            self._event("finish", r.request_id, f"{finished_status.name} out={r.num_output_tokens}")
             self._forget(r.request_id)
         if done:
             self._dirty = True
@@ -178,6 +192,7 @@ class JitflowScheduler(Scheduler):
                 if m.task:
                     self.task_attained[m.task] = self.task_attained.get(m.task, 0) + (n1 - n0)
             if r is None or r.is_finished():
+                self._event("finish", rid, f"{r.status.name if r is not None else 'gone'} out={n1}")
                 self._forget(rid)
                 self._dirty = True
         return out
@@ -243,7 +258,7 @@ class JitflowScheduler(Scheduler):
             vs = set(victims)
             self.running = [r for r in self.running if r not in vs]
             for r in victims:
-                self._preempt_request(r, now)
+                self._preempt_request(r, now, why="policy")
                 self.n_preempted += 1
             self._plan_preempt = []
         # Keep the model runner within its slot count: hidden (paused) running requests that the
@@ -256,7 +271,7 @@ class JitflowScheduler(Scheduler):
         overflow = len(run_sel) + len(hidden) + len(wait_sel) - self.max_num_running_reqs
         if overflow > 0 and hidden:
             for r in hidden[-overflow:]:
-                self._preempt_request(r, now)
+                self._preempt_request(r, now, why="slots")
                 self.n_preempted += 1
             hidden = hidden[:-overflow] if overflow < len(hidden) else []
             self.running = run_sel + hidden
@@ -292,12 +307,14 @@ class JitflowScheduler(Scheduler):
             m = self.meta.get(rid)
             if m is not None and m.first_sched is None:
                 m.first_sched = now
+                self._event("first_sched", rid, f"running={len(self.running)}")
 
     # ------------------------------------------------------------------- RPC
     def jitflow_rpc(self, method: str, payload: dict | None = None) -> Any:
         """Side-channel calls from the jitflow server (run between engine steps).
 
-        Methods: ``stats``; ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
+        Methods: ``stats``; ``events`` (recent request lifecycle events, oldest first: ``[[unix s, event,
+        request id, detail], ...]``, events add/first_sched/preempt/finish/reject); ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
         "finished": [[jf_id, goodput], ...]}``); ``reject_waiting`` (``{"ids": [jf_id...]}`` -> ids that
         had never been scheduled and are now removed); ``set_policy`` (``{"name", "params", "batch_size"}``).
         Raises ``ValueError`` for an unknown method or bad policy.
@@ -305,6 +322,8 @@ class JitflowScheduler(Scheduler):
         p = payload or {}
         if method == "stats":
             return self._stats()
+        if method == "events":
+            return [list(e) for e in self.events]
         if method == "update":
             for jf, b in (p.get("len_bound") or {}).items():
                 rid = self.by_jf.get(jf)
@@ -327,6 +346,7 @@ class JitflowScheduler(Scheduler):
                 r = self.requests.get(rid) if rid else None
                 if r is None or m is None or m.first_sched is not None or r.status == RequestStatus.RUNNING:
                     continue
+                self._event("reject", rid, "admission")
                 self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
                 self.n_rejected += 1
                 rejected.append(jf)
@@ -352,6 +372,7 @@ class JitflowScheduler(Scheduler):
         return {
             "policy": self.policy_name, "params": self.policy_params, "batch_size": self.batch_size,
             "running": len(self.running), "waiting": len(self.waiting),
+            "paused": self.pause_state != PauseState.UNPAUSED,
             "unfinished": self.get_num_unfinished_requests(), "steps": self.step_no, "frames": self.frame_no,
             "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
             "preempted": self.n_preempted, "rejected": self.n_rejected, "tracker": self.tracker.summary(),

@@ -29,6 +29,7 @@ Goodput is judged with :func:`jitflow_server.tracker.goodput.evaluate`, as on th
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -64,6 +65,7 @@ class _JobState:
     first_token: float | None = None
     attained: int = 0
     out_tokens: int = 0
+    out_tokens_window: int = 0  # generated before the last arrival (steady-state throughput)
     n_preempt: int = 0
     call_recs: list = field(default_factory=list)
     calls: list = field(default_factory=list)
@@ -248,6 +250,7 @@ class SimEngine:
             js.call_recs.append((c.arrival, c.input_len, len(tt), tt[0] if tt else None, tt[-1] if tt else None,
                                  (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None, res, ok))
             js.out_tokens += len(tt)
+            js.out_tokens_window += bisect.bisect_right(tt, last_arrival)
             if js.first_token is None and tt:
                 js.first_token = tt[0]
             c.token_times = []
@@ -492,7 +495,7 @@ class SimEngine:
                     "slo_met": met, "goodput": good, "output_tokens": n_out, "input_tokens": in_tok,
                     "ttft": (ft - arr) if ft is not None else None, "tbt_mean": tbt,
                     "e2el": (lt - arr) if lt is not None else None, "rejected": rejected,
-                    "preemptions": js.n_preempt, "calls": 1}
+                    "preemptions": js.n_preempt, "calls": 1, "output_tokens_window": js.out_tokens_window}
         n_calls = job.n_calls
         complete = (not js.failed) and len(recs) == n_calls and all(r[7] for r in recs)
         end = max((r[4] for r in recs if r[4] is not None), default=None)
@@ -504,4 +507,5 @@ class SimEngine:
                 "goodput": total if met else 0, "output_tokens": js.out_tokens, "input_tokens": in_tok,
                 "ttft": (js.first_token - js.t0) if js.first_token is not None else None,
                 "tbt_mean": None, "e2el": (end - js.t0) if (complete and end is not None) else None,
-                "rejected": rejected, "preemptions": js.n_preempt, "calls": n_calls}
+                "rejected": rejected, "preemptions": js.n_preempt, "calls": n_calls,
+                "output_tokens_window": js.out_tokens_window}

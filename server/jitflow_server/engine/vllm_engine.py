@@ -111,6 +111,23 @@ class VLLMEngine:
             raise EngineError("engine not started")
         return await self.llm.engine_core.call_utility_async("jitflow_rpc", method, payload or {})
 
+    async def pause(self) -> None:
+        """Stop scheduling: requests already in the engine keep their state (and KV cache) and new
+        requests queue; nothing is aborted (vLLM ``pause_generation(mode="keep")``). Use ``resume()``."""
+        if self.llm is None:
+            raise EngineError("engine not started")
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        """Resume scheduling after ``pause()``; queued requests are scheduled by the policy as usual."""
+        if self.llm is None:
+            raise EngineError("engine not started")
+        await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        """True between ``pause()`` and ``resume()``."""
+        return bool(self.llm is not None and await self.llm.is_paused())
+
     def num_unfinished_frontend(self) -> int:
         """Requests the frontend (output processor) still tracks."""
         return self.llm.output_processor.get_num_unfinished_requests() if self.llm else 0
