@@ -41,6 +41,7 @@ def test_tokens_conserved_when_everything_finishes(policy):
         assert not rec["rejected"]
         assert rec["output_tokens"] == j.total_tokens[1]  # every call generated exactly its true length
         assert rec["input_tokens"] == j.total_tokens[0]
+        assert rec["served_input_tokens"] == j.total_tokens[0]  # all served: every prompt counts
     if out["preemptions"] == 0:
         assert out["prefill_tokens"] == sum(j.total_tokens[0] for j in jobs)
 
@@ -149,5 +150,11 @@ def test_steady_state_throughput_counts_only_tokens_before_the_last_arrival():
     span = jobs[-1].arrival - jobs[0].arrival
     m = summarize(recs, span, out["makespan"] - jobs[0].arrival)
     assert m["throughput_window"] == pytest.approx(before / span)
+    # prompt + output tokens: every served call's prompt counts once, within the window only if served there
+    assert all(r["served_input_tokens_window"] <= r["served_input_tokens"] <= r["input_tokens"] for r in recs)
+    assert next(r for r in recs if r["id"] == last.job_id)["served_input_tokens_window"] == 0
+    assert m["token_throughput_window"] == pytest.approx(
+        (before + sum(r["served_input_tokens_window"] for r in recs)) / span)
+    assert m["token_throughput_window"] > m["throughput_window"]
     assert summarize([{k: v for k, v in r.items() if k != "output_tokens_window"} for r in recs], span,
                      1.0)["throughput_window"] is None  # records without the field (real engine): not reported

@@ -25,7 +25,10 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
     tokens/s) by ``makespan_s`` (first arrival to last token of this run); ``throughput_window``
     (output tokens generated up to the last arrival / ``span_s``: the steady-state rate, without the
     drain after the last arrival, whose length depends on how much backlog a policy carries; only
-    when every record has ``output_tokens_window``). Per kind: count, SLO
+    when every record has ``output_tokens_window``); ``token_throughput`` / ``token_throughput_window``
+    (prompt tokens of the calls that were served plus output tokens, per second over the same spans:
+    the engine's useful work, which a policy that favours prompt-heavy requests keeps while its
+    output-token rate drops; only when records have ``served_input_tokens``). Per kind: count, SLO
     attainment (rejected and unfinished jobs count as missed), goodput tokens, rejections, P50/P95 of
     TTFT, TBT (per-job mean gap, latency kind) and E2EL over the jobs that produced them. Frame
     scheduling time P50/P99 in ms when ``frame_ms`` is given.
@@ -45,6 +48,12 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
         "output_tokens": out,
         "throughput_window": (sum(j["output_tokens_window"] for j in jobs) / span
                               if jobs and all("output_tokens_window" in j for j in jobs) else None),
+        "token_throughput": ((sum(j["served_input_tokens"] for j in jobs) + out) / max(makespan_s, 1e-9)
+                             if jobs and all("served_input_tokens" in j for j in jobs) else None),
+        "token_throughput_window": (
+            sum(j["served_input_tokens_window"] + j["output_tokens_window"] for j in jobs) / span
+            if jobs and all("served_input_tokens_window" in j and "output_tokens_window" in j for j in jobs)
+            else None),
         "rejected": sum(1 for j in jobs if j.get("rejected")),
         "preemptions": int(sum(j.get("preemptions", 0) for j in jobs)),
         "span_s": span_s,

@@ -67,6 +67,9 @@ def headline(main: dict, rps_key: str) -> dict:
         gw, fw = runs["gmax"].get("throughput_window"), runs["fcfs"].get("throughput_window")
         if gw is not None and fw:
             out["gmax_window_throughput_over_fcfs"] = gw / fw
+        gt, ft = runs["gmax"].get("token_throughput_window"), runs["fcfs"].get("token_throughput_window")
+        if gt is not None and ft:
+            out["gmax_window_token_throughput_over_fcfs"] = gt / ft
     return out
 
 
@@ -183,19 +186,21 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
          f"{cfg.get('age_boost', False)}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", "",
          "## Headline (targets of issue 6)", "",
          "| RPS | GMAX / best baseline (token) | best baseline | GMAX / best baseline (request) | GMAX / oracle | "
-         "GMAX throughput / FCFS | GMAX steady-state thr. / FCFS | gmax-age / best baseline | gmax-age / oracle | "
-         "gmax-age thr. / FCFS |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "GMAX throughput / FCFS | GMAX steady-state thr. / FCFS | GMAX steady-state prompt+output thr. / FCFS | "
+         "gmax-age / best baseline | gmax-age / oracle | gmax-age thr. / FCFS |",
+         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for k, h in res["headline"].items():
         L.append(f"| {k} | {_fmt(h.get('gmax_over_best_baseline'))} | {h.get('best_baseline', '–')} | "
                  f"{_fmt(h.get('gmax_request_over_best_baseline'))} | {_fmt(h.get('gmax_over_oracle'))} | "
                  f"{_fmt(h.get('gmax_throughput_over_fcfs'))} | {_fmt(h.get('gmax_window_throughput_over_fcfs'))} | "
+                 f"{_fmt(h.get('gmax_window_token_throughput_over_fcfs'))} | "
                  f"{_fmt(h.get('gmax_age_over_best_baseline'))} | "
                  f"{_fmt(h.get('gmax_age_over_oracle'))} | {_fmt(h.get('gmax_age_throughput_over_fcfs'))} |")
     L += ["", "## Goodput, throughput and SLO attainment per policy and load", "",
           "| RPS | policy | token goodput (tok/s) | request goodput (req/s) | SLO att. | att. latency | att. deadline | "
-          "att. compound | throughput (tok/s) | steady-state thr. (tok/s) | rejected | preempt. | frame P50/P99 ms |",
-          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "att. compound | throughput (tok/s) | steady-state thr. (tok/s) | steady-state prompt+output (tok/s) | "
+          "rejected | preempt. | frame P50/P99 ms |",
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for k, runs in res["main"].items():
         for p, r in runs.items():
             pk = r["per_kind"]
@@ -203,7 +208,8 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
                      f"{_fmt(pk.get('latency', {}).get('slo_attainment'))} | "
                      f"{_fmt(pk.get('deadline', {}).get('slo_attainment'))} | "
                      f"{_fmt(pk.get('compound', {}).get('slo_attainment'))} | {r['throughput']:.0f} | "
-                     f"{_fmt(r.get('throughput_window'), 0)} | {r['rejected']} | {r['sim_preemptions']} | {_fmt(r.get('frame_ms_p50'))}/{_fmt(r.get('frame_ms_p99'))} |")
+                     f"{_fmt(r.get('throughput_window'), 0)} | {_fmt(r.get('token_throughput_window'), 0)} | "
+                     f"{r['rejected']} | {r['sim_preemptions']} | {_fmt(r.get('frame_ms_p50'))}/{_fmt(r.get('frame_ms_p99'))} |")
     L += ["", f"## Latency per kind at {top} requests/s (P50 / P95, seconds, served requests)", "",
           "| policy | TTFT lat. | TBT lat. | E2EL deadline | TTFT deadline | E2EL compound |", "|---|---|---|---|---|---|"]
     for p, r in res["main"][top].items():
@@ -357,5 +363,6 @@ def register(bench_app: typer.Typer) -> None:
         con.print(f"[bold]{model.name}[/bold] at {top} req/s: GMAX/best baseline ({h.get('best_baseline')}) "
                   f"{_fmt(h.get('gmax_over_best_baseline'))}×, GMAX/oracle {_fmt(h.get('gmax_over_oracle'))}, "
                   f"throughput vs FCFS {_fmt(h.get('gmax_throughput_over_fcfs'))} (steady state "
-                  f"{_fmt(h.get('gmax_window_throughput_over_fcfs'))}); wall {res['wall_s']:.0f} s")
+                  f"{_fmt(h.get('gmax_window_throughput_over_fcfs'))}, prompt+output "
+                  f"{_fmt(h.get('gmax_window_token_throughput_over_fcfs'))}); wall {res['wall_s']:.0f} s")
         con.print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots")

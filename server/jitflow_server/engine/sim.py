@@ -66,6 +66,8 @@ class _JobState:
     attained: int = 0
     out_tokens: int = 0
     out_tokens_window: int = 0  # generated before the last arrival (steady-state throughput)
+    served_in: int = 0  # prompt tokens of calls that produced a token
+    served_in_window: int = 0  # ... whose first token came before the last arrival
     n_preempt: int = 0
     call_recs: list = field(default_factory=list)
     calls: list = field(default_factory=list)
@@ -251,6 +253,10 @@ class SimEngine:
                                  (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None, res, ok))
             js.out_tokens += len(tt)
             js.out_tokens_window += bisect.bisect_right(tt, last_arrival)
+            if tt:
+                js.served_in += c.input_len
+                if tt[0] <= last_arrival:
+                    js.served_in_window += c.input_len
             if js.first_token is None and tt:
                 js.first_token = tt[0]
             c.token_times = []
@@ -495,7 +501,8 @@ class SimEngine:
                     "slo_met": met, "goodput": good, "output_tokens": n_out, "input_tokens": in_tok,
                     "ttft": (ft - arr) if ft is not None else None, "tbt_mean": tbt,
                     "e2el": (lt - arr) if lt is not None else None, "rejected": rejected,
-                    "preemptions": js.n_preempt, "calls": 1, "output_tokens_window": js.out_tokens_window}
+                    "preemptions": js.n_preempt, "calls": 1, "output_tokens_window": js.out_tokens_window,
+                    "served_input_tokens": js.served_in, "served_input_tokens_window": js.served_in_window}
         n_calls = job.n_calls
         complete = (not js.failed) and len(recs) == n_calls and all(r[7] for r in recs)
         end = max((r[4] for r in recs if r[4] is not None), default=None)
@@ -508,4 +515,5 @@ class SimEngine:
                 "ttft": (js.first_token - js.t0) if js.first_token is not None else None,
                 "tbt_mean": None, "e2el": (end - js.t0) if (complete and end is not None) else None,
                 "rejected": rejected, "preemptions": js.n_preempt, "calls": n_calls,
-                "output_tokens_window": js.out_tokens_window}
+                "output_tokens_window": js.out_tokens_window, "served_input_tokens": js.served_in,
+                "served_input_tokens_window": js.served_in_window}
