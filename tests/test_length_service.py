@@ -123,3 +123,44 @@ def test_bad_model_path_falls_back(tmp_path, caplog) -> None:
         assert svc.predictor is None
         svc.submit("r", "hello", max_tokens=77)
         assert svc.latest("r") == 77
+
+
+def test_cold_start_without_a_model_still_writes_telemetry(tmp_path) -> None:
+    """With no forest (fresh machine), finished requests are still logged: that log trains the first model."""
+    tel = tmp_path / "tel.jsonl"
+    with LengthService(None, telemetry_path=tel) as svc:
+        svc.submit("a", "a short question 1", app="chat", model="m", max_tokens=60)
+        assert svc.latest("a") == 60  # fallback: no history yet, max_tokens
+        svc.observe("a", 17)
+        assert svc.flush(5)
+        recs = [json.loads(x) for x in tel.read_text().splitlines()]
+        assert len(recs) == 1 and recs[0]["output_len"] == 17 and recs[0]["max_tokens"] == 60
+        assert recs[0]["prompt_tokens"] > 0 and len(recs[0]["prompt_features"]) > 0
+        svc.submit("b", "another question", app="chat", max_tokens=60)
+        svc.observe("b", 5)  # close() right after: the record must not be lost
+    assert len(tel.read_text().splitlines()) == 2
+
+
+def test_request_finishing_before_the_worker_reaches_it_is_still_logged(predictor: LengthPredictor,
+                                                                        tmp_path) -> None:
+    tel = tmp_path / "tel.jsonl"
+    with LengthService(predictor, telemetry_path=tel) as svc:
+        gate = threading.Event()
+        orig = predictor.predict_matrix
+
+        def slow(X, *a, **kw):
+            gate.wait(5)
+            return orig(X, *a, **kw)
+
+        predictor.predict_matrix = slow  # type: ignore[method-assign]
+        try:
+            svc.submit("busy", "a long question 2", app="chat")  # occupies the worker
+            time.sleep(0.1)
+            svc.submit("quick", "a short question 9", app="chat")
+            svc.observe("quick", 3)  # finished before any prediction for it
+            gate.set()
+            assert svc.flush(5)
+        finally:
+            del predictor.predict_matrix
+    recs = [json.loads(x) for x in tel.read_text().splitlines()]
+    assert [r["output_len"] for r in recs] == [3]

@@ -120,10 +120,18 @@ def test_gmax_runs_a_tight_deadline_ahead_of_long_best_effort(server_url, policy
             hogs += start_long_requests(c, server_url, 2)
             timing = _probe(c, deadline=3.0)
             ev = engine_events(c)
+            plan = c.get("/v1/jitflow/engine/plan").json()
         finally:
             for h in hogs:
                 h.close()
         assert timing["output_tokens"] == 40
+        # the last decision, as the diagnostics endpoint shows it: both long requests ranked as
+        # running best-effort work, and a batch of at most B = 2 of the ranked requests
+        ranked = {r["id"]: r for r in plan["requests"]}
+        for h in hogs:
+            mine = [r for rid, r in ranked.items() if rid.startswith(h.rid)]
+            assert len(mine) == 1 and mine[0]["kind"] == "best_effort" and mine[0]["running"], plan
+        assert set(plan["batch"]) <= set(ranked) and len(plan["batch"]) <= 2
         # GMAX runs the deadline request ahead of (pausing) a best-effort one: it meets its 3-s deadline,
         # and, on the engine's clock, both long requests were running before it arrived and still
         # unfinished when it finished.

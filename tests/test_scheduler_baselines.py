@@ -75,4 +75,6 @@ def test_make_policy_names_and_errors():
     with pytest.raises(ValueError, match="full_priorities"):
         make_policy("fcfs", p=0.9)
     with pytest.raises(ValueError, match="unknown GMAX parameter"):
+        make_policy("gmax", lookback=3)
+    with pytest.raises(ValueError, match="window must be"):
         make_policy("gmax", window=3)

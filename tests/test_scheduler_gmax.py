@@ -40,17 +40,24 @@ def gmax(**kw) -> GMAXPolicy:
     return GMAXPolicy(**kw)
 
 
-def brute_force_window(prio: dict[str, float], inputs: dict[str, int], b: int, p: float) -> set[str]:
-    """Independent re-statement of Alg. 1: cutoff, sort by input length, best contiguous window."""
+def brute_force_window(prio: dict[str, float], inputs: dict[str, int], b: int, p: float,
+                       protect: bool = False) -> set[str]:
+    """Independent re-statement of Alg. 1: cutoff, sort by input length, best contiguous window.
+    ``protect``: requests at or above ``bp/p`` are kept first and the window fills the other slots."""
     ranked = sorted(prio.values(), reverse=True)
     bp = ranked[b - 1]
-    cand = sorted((r for r in prio if prio[r] >= p * bp), key=lambda r: (inputs[r], -prio[r]))
+    kept = sorted((r for r in prio if protect and prio[r] >= bp / p), key=lambda r: -prio[r])[:b]
+    w = b - len(kept)
+    cand = sorted((r for r in prio if prio[r] >= p * bp and r not in kept), key=lambda r: (inputs[r], -prio[r]))
+    if w == 0:
+        return set(kept)
+    w = min(w, len(cand))
     best, best_sum = None, -math.inf
-    for k in range(len(cand) - b + 1):
-        s = sum(prio[r] for r in cand[k : k + b])
+    for k in range(len(cand) - w + 1):
+        s = sum(prio[r] for r in cand[k : k + w])
         if s > best_sum:
-            best, best_sum = set(cand[k : k + b]), s
-    return best
+            best, best_sum = set(cand[k : k + w]), s
+    return set(kept) | best
 
 
 def window_scenario() -> list[RequestView]:
@@ -75,20 +82,38 @@ def test_cutoff_one_keeps_only_top_b_candidates():
     assert set(d.batch) == {"C", "A"}
 
 
-def test_window_matches_brute_force_on_random_sets():
+@pytest.mark.parametrize("window", ["paper", "protected"])
+def test_window_matches_brute_force_on_random_sets(window):
     rng = random.Random(7)
-    for trial in range(30):
+    n_protected = 0
+    for trial in range(60):
         views = [dl(f"r{i}", rng.randint(1, 4000), rng.randint(1, 800), deadline=1e6) for i in range(rng.randint(3, 40))]
         b = rng.randint(1, 8)
         p = rng.choice([0.5, 0.8, 0.95, 1.0])
-        d = gmax(p=p, full_priorities=True).schedule(views, ctx(b=b))
+        d = gmax(p=p, full_priorities=True, window=window).schedule(views, ctx(b=b))
         if len(views) <= b:
             assert set(d.batch) == {v.req_id for v in views}
             continue
         pr = d.priorities
-        expect = brute_force_window(pr, {v.req_id: v.input_len for v in views}, b, p)
+        n_protected += d.info["protected"]
+        expect = brute_force_window(pr, {v.req_id: v.input_len for v in views}, b, p, protect=window == "protected")
         assert len(set(d.batch)) == b, trial
         assert sum(pr[r] for r in d.batch) == pytest.approx(sum(pr[r] for r in expect), rel=1e-12), trial
+    assert (n_protected > 0) == (window == "protected")  # the random sets exercise the protected path
+
+
+def test_protected_window_keeps_an_urgent_short_request_the_paper_window_drops():
+    # L: very high priority, long input; Y: short input, 20x the B-th priority; M1..M3 near the cutoff
+    views = [dl("L", 3000, 5, deadline=1e6), dl("Y", 400, 3),
+             dl("M1", 2000, 400), dl("M2", 2100, 400), dl("M3", 2200, 400)]
+    paper = gmax(p=0.5, window="paper", full_priorities=True).schedule(views, ctx(b=3))
+    pr = paper.priorities
+    ranked = sorted(pr, key=pr.get, reverse=True)
+    assert ranked[:3] == ["L", "Y", "M3"] and pr["Y"] >= pr["M3"] / 0.5  # Y is clearly inside the top B
+    # the paper's windows over input length: (Y,M1,M2), (M1,M2,M3), (M2,M3,L): L's sum wins, Y is out
+    assert set(paper.batch) == {"M2", "M3", "L"}
+    prot = gmax(p=0.5, window="protected").schedule(views, ctx(b=3))
+    assert set(prot.batch) == {"L", "Y", "M3"} and prot.info["protected"] == 2
 
 
 def test_infeasible_deadline_request_is_demoted_not_blocking():

@@ -108,3 +108,24 @@ def test_paused_requests_beyond_max_running_are_preempted_weakest_first():
     unlimited = GMAXPolicy(adapt_p=False, starvation_delta=0.0, jit=False, free_pause=True).schedule(
         [*rs, w], SchedContext(now=1.0, batch_size=1, token_time=V, prefill_rate=10**9, kv_capacity_tokens=10**7))
     assert unlimited.batch == ["W"] and unlimited.preempt == []
+
+
+def test_prefix_cache_makes_a_pause_cheap_only_while_the_kv_cache_has_room():
+    # the by-tokens case above: the recompute stall of a hog outweighs admitting the tight request.
+    # With vLLM's prefix cache a displaced hog keeps its blocks until the free queue turns over, so the
+    # stall is only a risk: ~evict_frames x this frame's KV demand / free KV.
+    hogs = [RequestView(f"be{i}", Kind.BEST_EFFORT, 0.0, 20, 1500, 3000, True, kv_tokens=1520)
+            for i in range(2)]
+    probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
+    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens")
+
+    def run(capacity: int, apc: bool):
+        c = SchedContext(now=1.0, batch_size=2, token_time=0.005, prefill_rate=5000.0,
+                         kv_capacity_tokens=capacity, prefix_caching=apc)
+        return GMAXPolicy(**kw).schedule([*hogs, probe], c)
+
+    assert "d" not in run(10**6, apc=False).batch  # no prefix cache: a full recompute
+    roomy = run(10**6, apc=True)
+    assert "d" in roomy.batch and roomy.preempt == []  # paused, KV kept and cheap to get back
+    full = run(3200, apc=True)  # the KV cache barely holds the batch: the blocks would be reused
+    assert "d" not in full.batch and full.info["swapped_back"] == 1

@@ -65,6 +65,8 @@ def test_preempted_requests_pay_the_recompute_cost():
     jobs = [Job(f"j{i}", "deadline", 0.01 * i, "batch", [[CallSpec(100, 300)]], deadline=1000.0) for i in range(6)]
     out = _run(jobs, model=tiny, policy="fcfs")
     assert out["preemptions"] > 0
+    # FCFS never asks for a preemption: every one is the engine's own, for lack of KV blocks
+    assert out["preemptions_by_reason"] == {"kv": out["preemptions"]}
     inputs = sum(j.total_tokens[0] for j in jobs)
     assert out["prefill_tokens"] > inputs  # recomputed prompt + generated tokens
     roomy = _run(jobs, model=StepModel(**{**tiny.to_dict(), "kv_capacity_tokens": 100_000}), policy="fcfs")
@@ -158,3 +160,37 @@ def test_steady_state_throughput_counts_only_tokens_before_the_last_arrival():
     assert m["token_throughput_window"] > m["throughput_window"]
     assert summarize([{k: v for k, v in r.items() if k != "output_tokens_window"} for r in recs], span,
                      1.0)["throughput_window"] is None  # records without the field (real engine): not reported
+
+
+def test_prefix_cache_makes_an_early_recompute_nearly_free():
+    """vLLM keeps a preempted request's blocks in its prefix cache until the FIFO free queue reuses
+    them; a request re-admitted before that only prefills its last partial block."""
+    roomy = StepModel(**{**SMALL.to_dict(), "batch_size": 1, "name": "roomy"})
+    # B = 1 and LAS re-ranking every step: three long calls take turns, the one beyond the engine's
+    # 2B slots is preempted each time (vLLM's recompute path) while most of the KV cache is free
+    jobs = [Job(f"j{i}", "deadline", 0.0, "batch", [[CallSpec(200, 120)]], deadline=1000.0) for i in range(3)]
+
+    def run(model):
+        pol = make_policy("las", delta_steps=1)
+        return SimEngine(model, pol, LengthBounder("oracle"), _analyzer(model), SimConfig(waiting_time=None)).run(jobs)
+
+    cached = run(roomy)
+    plain = run(StepModel(**{**roomy.to_dict(), "prefix_caching": False}))
+    inputs = sum(j.total_tokens[0] for j in jobs)
+    assert cached["preemptions"] > 3 and cached["preemptions"] == plain["preemptions"]
+    assert [r["output_tokens"] for r in cached["jobs"]] == [120] * 3
+    # without the cache every preemption recomputes prompt + generated tokens; with it, < 1 block each
+    assert plain["prefill_tokens"] - inputs >= 200 * plain["preemptions"]
+    assert cached["prefill_tokens"] - inputs <= roomy.block_size * cached["preemptions"]
+    assert cached["makespan"] < plain["makespan"]
+
+
+def test_prefix_cache_is_evicted_when_the_free_queue_turns_over():
+    """With a KV cache so small that other requests reuse every freed block, a recompute hits nothing."""
+    tiny = StepModel(**{**SMALL.to_dict(), "kv_capacity_tokens": 1200, "name": "tiny", "batch_size": 4})
+    jobs = [Job(f"j{i}", "deadline", 0.01 * i, "batch", [[CallSpec(100, 300)]], deadline=1000.0) for i in range(6)]
+    on = _run(jobs, model=tiny, policy="fcfs")
+    off = _run(jobs, model=StepModel(**{**tiny.to_dict(), "prefix_caching": False}), policy="fcfs")
+    assert on["preemptions"] > 0
+    assert on["prefill_tokens"] <= off["prefill_tokens"]
+    assert on["prefill_tokens"] > sum(j.total_tokens[0] for j in jobs)  # still pays real recompute

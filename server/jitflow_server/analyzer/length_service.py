@@ -36,6 +36,7 @@ from jitflow_server.analyzer.length import (
     LengthPredictor,
     OnlineCalibrator,
     RunningQuantileFallback,
+    TokenCounter,
     calibration_bucket,
     finalize_bound,
     get_token_counter,
@@ -115,6 +116,7 @@ class LengthService:
         self._reqs: dict[str, _Req] = {}
         self._bounds: dict[str, int] = {}
         self._queue: deque[_Job] = deque()
+        self._late: deque[tuple[_Req, int]] = deque()  # finished before their prompt features existed
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._busy = False
@@ -209,6 +211,18 @@ class LengthService:
                 continue
             seen_buckets.add(b)
             self.calibrator.update(r.app, r.model, k, bound, output_len)
+        if r.prompt_feats is None:
+            # no forest (cold start: the telemetry is what the first model is trained on) or the request
+            # finished before the worker reached it: the worker computes the prompt features off this thread
+            if self.telemetry_path is not None or self.predictor is not None:
+                with self._cv:
+                    self._late.append((r, int(output_len)))
+                    self._cv.notify()
+            return
+        self._record(r, int(output_len))
+
+    def _record(self, r: _Req, output_len: int) -> None:
+        """Telemetry line and refit example for one finished request whose prompt features are known."""
         if r.prompt_feats is not None:
             ex = LengthExample(output_len=int(output_len), prompt=r.prompt if self.record_text else None,
                                app=r.app, model=r.model, stage=r.stage, prompt_tokens=r.prompt_tokens,
@@ -229,7 +243,7 @@ class LengthService:
         """Block until the queue is empty and the worker idle (tests/CLI only). True if drained in time."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy:
+            while self._queue or self._late or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -249,12 +263,20 @@ class LengthService:
         return False
 
     def close(self) -> None:
-        """Stop the worker (pending jobs are dropped) and wait for it and any refit to end."""
+        """Stop the worker (pending predictions are dropped; telemetry of finished requests is written)
+        and wait for it and any refit to end."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._cv.notify_all()
         self._worker.join(timeout=10)
+        with self._cv:
+            late = list(self._late)
+            self._late.clear()
+        if late:
+            self._featurize([r for r, _ in late], self.predictor.counter if self.predictor else get_token_counter())
+            for r, n in late:
+                self._record(r, n)
         if self._refit_thread is not None:
             self._refit_thread.join(timeout=120)
 
@@ -262,10 +284,12 @@ class LengthService:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._late and not self._closed:
                     self._cv.wait()
                 if self._closed:
                     return
+                late = list(self._late)
+                self._late.clear()
                 jobs: dict[str, _Job] = {}
                 while self._queue and len(jobs) < self.max_batch:
                     j = self._queue.popleft()
@@ -274,6 +298,10 @@ class LengthService:
                 self._busy = True
                 predictor = self.predictor
             try:
+                if late:
+                    self._featurize([r for r, _ in late], predictor.counter if predictor else get_token_counter())
+                    for r, n in late:
+                        self._record(r, n)
                 live = [(j, reqs[j.req_id]) for j in jobs.values() if reqs[j.req_id] is not None]
                 if live and predictor is not None:
                     self._predict_batch(predictor, live)
@@ -286,13 +314,7 @@ class LengthService:
                     self._cv.notify_all()
 
     def _predict_batch(self, predictor: LengthPredictor, live: list[tuple[_Job, _Req]]) -> None:
-        counter = predictor.counter
-        need = [r for _, r in live if r.prompt_feats is None]
-        if need:
-            toks = counter.count([r.prompt for r in need])
-            feats = prompt_features([r.prompt for r in need], toks)
-            for r, t, f in zip(need, toks, feats, strict=True):
-                r.prompt_tokens, r.prompt_feats = t, f
+        self._featurize([r for _, r in live], predictor.counter)
         pf = np.stack([r.prompt_feats for _, r in live])
         X, ks = predictor.features([r.prompt for _, r in live], [j.generated_text for j, _ in live],
                                    [{"app": r.app, "model": r.model, "stage": r.stage} for _, r in live],
@@ -313,6 +335,16 @@ class LengthService:
                     self._bounds[j.req_id] = b
             self.stats["predicted"] += len(live)
             self.stats["batches"] += 1
+
+    @staticmethod
+    def _featurize(reqs: list[_Req], counter: TokenCounter) -> None:
+        """Fill ``prompt_tokens`` and ``prompt_feats`` of the requests that lack them (worker thread)."""
+        need = [r for r in reqs if r.prompt_feats is None]
+        if need:
+            toks = counter.count([r.prompt for r in need])
+            feats = prompt_features([r.prompt for r in need], toks)
+            for r, t, f in zip(need, toks, feats, strict=True):
+                r.prompt_tokens, r.prompt_feats = t, f
 
     # -- telemetry and refit --------------------------------------------------------------------------
     def _write_telemetry(self, r: _Req, ex: LengthExample) -> None:

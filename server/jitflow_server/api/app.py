@@ -315,6 +315,12 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         ``server`` from the HTTP layer (arrive, first_token, done, abort)."""
         return {"engine": await eng.rpc("events"), "server": [list(e) for e in state.events]}
 
+    @app.get("/v1/jitflow/engine/plan")
+    async def engine_plan():
+        """The scheduler's last decision (diagnostics): the chosen batch, the preemptions and every
+        request it ranked with its kind, state, priority and deadlines; ``{}`` before the first frame."""
+        return await eng.rpc("plan")
+
     @app.post("/v1/jitflow/policy")
     async def set_policy(body: dict):
         """Switch the scheduling policy at run time: ``{"name": "gmax", "params": {...}, "batch_size": B}``."""

@@ -63,6 +63,8 @@ def run_engine_policies(srv, jobs: list, policies: list[str], model_preset, leng
             m["frame_ms_p50"], m["frame_ms_p99"] = st.get("frame_ms_p50"), st.get("frame_ms_p99")
             m["frames"] = frames
         m["preemptions"] = (st.get("preempted") or 0) - (st0.get("preempted") or 0)
+        r0, r1 = st0.get("preempted_by_reason") or {}, st.get("preempted_by_reason") or {}
+        m["preemptions_by_reason"] = {k: v - r0.get(k, 0) for k, v in r1.items() if v - r0.get(k, 0)}
         m["server_rejected"] = (st.get("rejected") or 0) - (st0.get("rejected") or 0)
         out[pol] = {"metrics": m, "jobs": res["jobs"], "stats": st, "errors": res["errors"][:20],
                     "wall_s": time.time() - t0}
@@ -248,24 +250,52 @@ def register(bench_app: typer.Typer) -> None:
         data: Optional[Path] = typer.Option(None, "--data"),
         seed: int = typer.Option(0, "--seed"),
         port: Optional[int] = typer.Option(None, "--port"),
+        real_from: Optional[Path] = typer.Option(
+            None, "--real-from", help="Reuse the real-engine side of an earlier run (its fidelity.json, or a `bench "
+            "engine` results.json: same workload) and run only the simulator with the same workload settings; "
+            "the other workload options are ignored."),
     ) -> None:
-        """Run one workload on the real engine and in the simulator (same policies); report the differences."""
+        """Run one workload on the real engine and in the simulator (same policies); report the differences.
+
+        With ``--real-from``, the real side comes from a saved ``fidelity.json`` or ``bench engine``
+        ``results.json`` (both build the workload from the same settings and seed), for iterating on the
+        simulator or a preset without the real engine's run time. A ``bench engine`` run had a warm-up
+        the fidelity run does not have.
+        """
         from rich.console import Console
 
         from jitflow_server.bench.real import EngineBenchError, ServerProcess
         from jitflow_server.bench.runner import RunSettings, run_sim_one
 
+        saved = None
+        if real_from is not None:
+            try:
+                saved = json.loads(Path(real_from).read_text())
+                if "real" not in saved and "policies" in saved:  # a `bench engine` results.json
+                    saved["real"] = {p: r["metrics"] for p, r in saved["policies"].items()}
+                c = saved["config"]
+                policies, duration, rps, model = ",".join(saved["real"]), c["duration"], c["rps"], c["model"]
+                batch_size, length_scale, tightness = c["batch_size"], c["length_scale"], c["tightness"]
+                waiting_time, seed = c["waiting_time"], c["seed"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise typer.BadParameter(f"cannot reuse {real_from}: {e}", param_hint="--real-from") from None
         pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-paper", "fcfs", "edf", "sjf", "las", "oracle"))
         pm, ds, jobs = _workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
-        try:
-            with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
-                               log_path=out / "server.log") as srv:
-                real = run_engine_policies(srv, jobs, pols, pm, length_scale, ds, waiting_time or None, seed,
-                                           baseline_delta, console=con)
-        except EngineBenchError as e:
-            con.print(f"[red]error:[/red] {e}")
-            raise typer.Exit(1) from None
+        if saved is not None:
+            if saved["config"]["requests"] != len(jobs):
+                raise typer.BadParameter(f"{real_from} has {saved['config']['requests']} requests, the rebuilt "
+                                         f"workload {len(jobs)} (another --data?)", param_hint="--real-from")
+            real = {p: {"metrics": m} for p, m in saved["real"].items()}
+        else:
+            try:
+                with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
+                                   log_path=out / "server.log") as srv:
+                    real = run_engine_policies(srv, jobs, pols, pm, length_scale, ds, waiting_time or None, seed,
+                                               baseline_delta, console=con)
+            except EngineBenchError as e:
+                con.print(f"[red]error:[/red] {e}")
+                raise typer.Exit(1) from None
         st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, baseline_admission=True,
                          baseline_delta=baseline_delta, length_scale=length_scale, seed=seed)
         sim = {}
@@ -278,6 +308,8 @@ def register(bench_app: typer.Typer) -> None:
                "real": {p: r["metrics"] for p, r in real.items()}, "sim": sim}
         res["diff"] = fidelity_diff(res["real"], res["sim"])
         cmd = _command(f"jitflow bench fidelity --duration {duration} --rps {rps} --out {out}")
+        if real_from is not None:
+            res["config"]["real_from"] = str(real_from)
         (out / "fidelity.json").write_text(json.dumps(res, indent=1))
         (out / "fidelity.md").write_text(_fidelity_md(res, cmd))
         for p, d in res["diff"].items():
@@ -296,6 +328,9 @@ def fidelity_diff(real: dict, sim: dict) -> dict:
         for k in ("token_goodput", "request_goodput", "throughput", "slo_attainment"):
             d[f"{k}_real"], d[f"{k}_sim"] = r[k], s[k]
             d[f"{k}_rel_diff"] = (s[k] - r[k]) / r[k] if r[k] else None
+        d["preemptions_real"], d["preemptions_sim"] = r.get("preemptions"), s.get("sim_preemptions", s.get("preemptions"))
+        d["preemptions_by_reason_real"] = r.get("preemptions_by_reason") or {}
+        d["preemptions_by_reason_sim"] = s.get("sim_preemptions_by_reason") or {}
         d["per_kind"] = {}
         for kind in set(r["per_kind"]) | set(s["per_kind"]):
             rk, sk = r["per_kind"].get(kind, {}), s["per_kind"].get(kind, {})
@@ -318,6 +353,12 @@ def _fidelity_md(res: dict, command: str) -> str:
             rd = d[f"{k}_rel_diff"]
             L.append(f"| {p} | {k} | {d[k + '_real']:.3f} | {d[k + '_sim']:.3f} | "
                      f"{'–' if rd is None else f'{rd:+.1%}'} |")
+        if d.get("preemptions_real") is not None or d.get("preemptions_sim") is not None:
+            def why(x: dict) -> str:
+                return " (" + ", ".join(f"{k} {v}" for k, v in sorted(x.items())) + ")" if x else ""
+
+            L.append(f"| {p} | preemptions | {d.get('preemptions_real')}{why(d['preemptions_by_reason_real'])} | "
+                     f"{d.get('preemptions_sim')}{why(d['preemptions_by_reason_sim'])} | |")
     L += ["", "Per kind (real / sim): SLO attainment and P50, P95 latencies (s)", "",
           "| policy | kind | SLO att. | TTFT P50 | TTFT P95 | TBT P50 | TBT P95 | E2EL P50 | E2EL P95 |",
           "|---|---|---|---|---|---|---|---|---|"]

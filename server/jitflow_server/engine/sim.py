@@ -17,7 +17,12 @@ It mirrors what the vLLM plug-in (``engine/plugin.py``) does, in virtual time:
   ``sarathi_chunk`` for the ``sarathi`` baseline); when a running call needs a KV block and none is
   free, the last running call in plan order is preempted by recompute (vLLM's ``_preempt_request``);
   no waiting call is admitted in a step that preempted; a call emits its first token at the end of
-  the step that completes its prefill; a preempted call recomputes ``input + generated`` tokens;
+  the step that completes its prefill; a preempted call recomputes ``input + generated`` tokens,
+  less what vLLM's automatic prefix caching still holds (``StepModel.prefix_caching``, default on):
+  its freed blocks go to the tail of a FIFO free queue and are reused by later allocations, so a
+  call re-admitted before the queue turns over gets its full blocks back (the miss that made the
+  simulator thrash under LAS and overstate recompute costs: docs/benchmarks.md, session 4);
+  preemptions are counted by reason (``policy``, ``slots``, ``kv``, ``blocked``);
 - admission control (JITServe §5): a call never scheduled within ``waiting_time`` is rejected;
 - step time from the preset (:class:`~jitflow_server.bench.presets.StepModel`), with the
   heterogeneity penalty; stretches of pure decode steps with an unchanged plan are advanced in one
@@ -91,6 +96,10 @@ class _Call:
     running: bool = False
     scheduled: bool = False
     swapped: int = 0
+    cache_free_pos: int = 0  # prefix cache: free-queue length when this call's blocks were freed
+    cache_mark: int = 0  # ... and the allocation counter at that moment
+    cache_blocks: int = 0  # ... and how many blocks it freed (0: nothing cached)
+    cache_full: int = 0  # ... of which full blocks (reusable)
     bound_at: int = -1
     n_preempt: int = 0
     done: bool = False
@@ -196,6 +205,7 @@ class SimEngine:
         unsched: dict[str, _Call] = {}
         live: dict[str, _Call] = {}
         used_blocks = 0
+        alloc_total = 0  # blocks ever taken from the free queue (prefix-cache eviction clock)
         kv_peak = 0
         plan: list[str] = []
         dirty = True
@@ -203,6 +213,7 @@ class SimEngine:
         frame_step = 0
         frame_ms: list[float] = []
         n_preempt = 0
+        why_preempt: dict[str, int] = {}  # as the plug-in's preempt events: policy, slots, kv, blocked
         t = 0.0
         wt = self.cfg.waiting_time
         stall = 0.0  # swap-out/in time charged to the next step
@@ -213,13 +224,30 @@ class SimEngine:
             used_blocks -= c.blocks
             c.blocks = 0
 
-        def preempt(c: _Call) -> None:
+        def cache_hit(c: _Call) -> int:
+            """Tokens of a preempted call still in vLLM's prefix cache (automatic prefix caching).
+
+            vLLM v1 returns freed blocks to the tail of a FIFO free queue (a request's blocks in reverse
+            order, so its prefix leaves last) and allocates from the head, evicting cached content; a
+            block freed when the queue held F blocks is evicted after F more allocations.
+            """
+            if not (m.prefix_caching and c.cache_blocks):
+                return 0
+            evicted = min(max(alloc_total - c.cache_mark - c.cache_free_pos, 0), c.cache_blocks)
+            keep = min(c.cache_full, c.cache_blocks - evicted)
+            return max(0, min(keep * bs, c.input_len + c.generated - 1))
+
+        def preempt(c: _Call, why: str) -> None:
             nonlocal n_preempt, stall
+            why_preempt[why] = why_preempt.get(why, 0) + 1
             if c in running:
                 running.remove(c)
             if m.swap_rate:
                 c.swapped = c.computed
                 stall += c.computed / m.swap_rate
+            elif m.prefix_caching:
+                c.cache_free_pos, c.cache_mark = self.cap_blocks - used_blocks, alloc_total
+                c.cache_blocks, c.cache_full = c.blocks, c.computed // bs
             c.computed = 0
             free(c)
             c.running = False
@@ -320,7 +348,8 @@ class SimEngine:
                     views.append(v)
                 ctx = SchedContext(now=t, batch_size=B, token_time=self.tracker.token_time(min(B, max(len(views), 1))),
                                    prefill_rate=self.tracker.prefill_rate(), swap_rate=m.swap_rate,
-                                   kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B)
+                                   kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B,
+                                   prefix_caching=m.prefix_caching and not m.swap_rate)
                 f0 = time.perf_counter()
                 d = pol.schedule(views, ctx)
                 frame_ms.append((time.perf_counter() - f0) * 1e3)
@@ -329,7 +358,7 @@ class SimEngine:
                 for rid in d.preempt:
                     c = live.get(rid)
                     if c is not None and c.running:
-                        preempt(c)
+                        preempt(c, "policy")
             chosen = {rid: i for i, rid in enumerate(plan)}
             run_sel = sorted((c for c in running if c.rid in chosen), key=lambda c: chosen[c.rid])
             hidden = [c for c in running if c.rid not in chosen]
@@ -337,7 +366,7 @@ class SimEngine:
             overflow = len(run_sel) + len(hidden) + len(wait_sel) - 2 * B
             if overflow > 0 and hidden:
                 for c in hidden[-overflow:]:
-                    preempt(c)
+                    preempt(c, "slots")
                 hidden = hidden[:-overflow] if overflow < len(hidden) else []
             # ---- compose the step (vLLM scheduler semantics) -----------------------------------
             budget = self.budget0
@@ -355,7 +384,7 @@ class SimEngine:
                 victim_self = False
                 while new_blocks > self.cap_blocks - used_blocks:
                     victim = queue.pop()
-                    preempt(victim)
+                    preempt(victim, "kv")
                     preempted_now = True
                     if victim is c:
                         victim_self = True
@@ -364,6 +393,7 @@ class SimEngine:
                     break
                 c.blocks += new_blocks
                 used_blocks += new_blocks
+                alloc_total += new_blocks
                 sched.append((c, ntok))
                 budget -= ntok
                 i += 1
@@ -373,7 +403,7 @@ class SimEngine:
                 for c in wait_sel:
                     if budget <= 0 or len(sched) >= B:
                         break
-                    base = c.swapped
+                    base = c.swapped or cache_hit(c)
                     need = c.input_len + c.generated - base
                     ntok = min(need, budget)
                     nb = -(-(base + ntok) // bs)
@@ -381,11 +411,14 @@ class SimEngine:
                         if nb > self.cap_blocks:
                             raise SimulationError(f"call {c.rid} ({c.input_len} tokens) exceeds the KV cache")
                         break
-                    if base:
+                    if c.swapped:
                         stall += base / (m.swap_rate or 1.0)
-                        c.computed, c.swapped = base, 0
+                        c.swapped = 0
+                    c.computed = base
+                    c.cache_blocks = 0
                     c.blocks = nb
                     used_blocks += nb
+                    alloc_total += nb - (base // bs)  # the cached blocks are taken back, not allocated
                     c.running = True
                     c.scheduled = True
                     waiting.pop(c.rid, None)
@@ -399,7 +432,7 @@ class SimEngine:
                 if hidden and wait_sel and any(c.running for c in hidden):
                     # chosen waiting calls are blocked by the KV of paused calls: free the last paused one
                     victim = [c for c in hidden if c.running][-1]
-                    preempt(victim)
+                    preempt(victim, "blocked")
                     dirty = True
                     continue
                 if frame_step != step:  # stale plan: recompute it at the same time first
@@ -441,6 +474,7 @@ class SimEngine:
                     c.generated += k
                     nb = -(-c.computed // bs)
                     used_blocks += nb - c.blocks
+                    alloc_total += nb - c.blocks
                     c.blocks = nb
                     c.token_times.extend(times)
                     if c.js.job.kind == "compound":
@@ -480,6 +514,7 @@ class SimEngine:
             "frame_ms": frame_ms,
             "steps": step,
             "preemptions": n_preempt,
+            "preemptions_by_reason": why_preempt,
             "prefill_tokens": prefill_total,
             "kv_peak_blocks": kv_peak,
             "kv_capacity_blocks": self.cap_blocks,

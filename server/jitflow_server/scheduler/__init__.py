@@ -41,8 +41,8 @@ _BASELINES: dict[str, type[OrderPolicy]] = {
 
 def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: DESIGN.md §5), ``gmax-paper``
-    (the paper's ``goodput/t_gen`` ranking and stall pricing, JITServe §4.2: ``jit=False,
-    free_pause=True, stall_value="tokens"``),
+    (the paper's ``goodput/t_gen`` ranking, window and stall pricing, JITServe §4.2: ``jit=False,
+    free_pause=True, stall_value="tokens", window="paper", overrun=0``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.
 
     ``params`` are :class:`GMAXParams` fields for the GMAX family, and ``best_effort_deadline``,
@@ -55,6 +55,8 @@ def make_policy(name: str, **params: Any) -> Policy:
             params.setdefault("jit", False)
             params.setdefault("free_pause", True)
             params.setdefault("stall_value", "tokens")
+            params.setdefault("window", "paper")
+            params.setdefault("overrun", 0.0)
         if key == "oracle":
             params.setdefault("use_true_len", True)
         return GMAXPolicy(name=key, **params)

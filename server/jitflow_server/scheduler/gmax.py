@@ -102,6 +102,22 @@ class GMAXParams:
       early and paces the decode just in time. Measured (docs/benchmarks.md "JIT ranking"): with
       admission control on for every policy, inf turned 0.73 compound attainment into 0.99 (cpu-demo
       preset, 6 req/s) where a horizon of one frame left tasks to be rejected.
+    - ``window`` ["protected"]: batch composition. ``"paper"`` is Alg. 1 as published: the contiguous
+      window (by input length) of B candidates with the largest summed priority, which can drop a
+      top-priority request with an unusual input length. ``"protected"`` (ours) first keeps every
+      request with ``priority ≥ priority(B-th)/p`` (clearly inside the top B), and slides the window
+      only over the remaining slots and candidates, so the length-homogeneity trade happens among
+      near-equal priorities only, as §4.2 intends (see :func:`select_window`).
+    - ``overrun`` [1.0]: a request that reached its length bound (``generated ≥ len_bound − 1``; the
+      bound was too low) is estimated to need ``overrun × generated`` more tokens instead of the one
+      token the bound implies, which would otherwise give it an extreme priority. 0 = off.
+    - ``evict_frames`` [10]: with ``SchedContext.prefix_caching`` (vLLM's automatic prefix caching)
+      a displaced request's KV stays cached until the free-block queue turns over, so its recompute
+      stall is charged times the eviction risk ``min(1, evict_frames · demand / free)``: this frame's
+      KV demand against the free KV, over the frames it may wait. Measured (docs/benchmarks.md,
+      session 4): pricing every pause as a full recompute kept urgent compound calls out of the
+      batch on the real engine until admission control rejected them; risk over one frame made
+      the simulated A100 preset churn; 10 frames keeps both.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -131,6 +147,9 @@ class GMAXParams:
     jit_fill: float = 0.01
     jit_horizon: float = 2.0
     admit_horizon: float = math.inf
+    window: str = "protected"
+    overrun: float = 1.0
+    evict_frames: float = 10.0
     use_true_len: bool = False
     full_priorities: bool = False
     starvation_clock: str = "waiting"
@@ -157,6 +176,12 @@ class GMAXParams:
                 f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")
         if self.compound_priority not in ("aggregate", "slowest"):
             raise ValueError(f"compound_priority must be 'aggregate' or 'slowest', got {self.compound_priority!r}")
+        if self.window not in ("protected", "paper"):
+            raise ValueError(f"window must be 'protected' or 'paper', got {self.window!r}")
+        if not self.evict_frames >= 0:
+            raise ValueError(f"evict_frames must be >= 0, got {self.evict_frames}")
+        if not self.overrun >= 0:
+            raise ValueError(f"overrun must be >= 0, got {self.overrun}")
         if not self.admit_horizon >= 0:
             raise ValueError(f"admit_horizon must be >= 0 s, got {self.admit_horizon}")
         if self.jit_horizon <= 0 or self.jit_fill < 0:
@@ -244,6 +269,10 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
     if prm.use_true_len:
         total = np.where(np.isnan(snap.true_len), total, snap.true_len)
     len_rem = np.maximum(total - gen, 1.0)
+    if prm.overrun > 0 and not prm.use_true_len:
+        # the bound was too low (the engine keeps generating): the remaining length is unknown
+        over = total - gen <= 1.0
+        len_rem[over] = np.maximum(prm.overrun * gen[over], 1.0)
     # tokens still to prefill (input + generated − KV held; 0 for a running request that decodes)
     pending = np.maximum(snap.input_len + gen - snap.kv_tokens, 0.0)
     run_i = np.flatnonzero(snap.running)
@@ -334,29 +363,51 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
     return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)
 
 
-def select_window(prio: np.ndarray, input_len: np.ndarray, batch_size: int, p: float) -> tuple[np.ndarray, dict]:
+def select_window(prio: np.ndarray, input_len: np.ndarray, batch_size: int, p: float,
+                  protect: bool = False) -> tuple[np.ndarray, dict]:
     """GMAX batch composition (JITServe §4.2, Alg. 1 lines 16-26).
 
     ``bp`` = B-th highest priority; candidates = ``priority ≥ p·bp``; candidates sorted by input
     length (ties: higher priority first); the contiguous window of B candidates with the largest
     summed priority is returned (indices into ``prio``, in priority-descending order) with an info
-    dict (``bp``, ``n_candidates``, ``window_score``). If N ≤ B all requests are returned.
+    dict (``bp``, ``n_candidates``, ``window_score``, ``protected``). If N ≤ B all requests are returned.
+
+    ``protect=True`` (our extension, ``GMAXParams.window="protected"``): the candidates with
+    ``priority ≥ bp/p`` are kept outright (at most B, highest first) and the window of the remaining
+    ``B − kept`` slots slides over the other candidates only. The published rule maximises the
+    window's *sum*, so one very high priority with a long input can pull the window onto long inputs
+    and leave out every urgent short request (seen on the real engine: waiting compound calls at
+    40× the B-th priority rejected by admission control). With ``p = 1`` both rules are top-B.
     O(N) selection + O(M log M) sort of the M candidates.
     """
     n = prio.shape[0]
     b = batch_size
     if n <= b:
         idx = np.argsort(-prio, kind="stable")
-        return idx, {"bp": float(prio.min()) if n else 0.0, "n_candidates": n, "window_score": float(prio.sum())}
+        return idx, {"bp": float(prio.min()) if n else 0.0, "n_candidates": n, "window_score": float(prio.sum()),
+                     "protected": n}
     bp = float(np.partition(prio, n - b)[n - b])
     cand = np.flatnonzero(prio >= p * bp)
-    order = cand[np.lexsort((-prio[cand], input_len[cand]))]
-    cs = np.concatenate(([0.0], np.cumsum(prio[order])))
-    sums = cs[b:] - cs[:-b]
-    k = int(np.argmax(sums))
-    win = order[k : k + b]
-    win = win[np.argsort(-prio[win], kind="stable")]
-    return win, {"bp": bp, "n_candidates": int(cand.size), "window_score": float(sums[k])}
+    n_cand = int(cand.size)
+    kept = np.zeros(0, np.int64)
+    if protect and bp > 0:
+        kept = cand[prio[cand] >= bp / p]
+        if kept.size > b:
+            kept = kept[np.argsort(-prio[kept], kind="stable")[:b]]
+        cand = np.setdiff1d(cand, kept, assume_unique=True)
+    n_protected = int(kept.size)
+    w = b - kept.size
+    score = float(prio[kept].sum())
+    if w > 0 and cand.size:
+        w = min(w, cand.size)
+        order = cand[np.lexsort((-prio[cand], input_len[cand]))]
+        cs = np.concatenate(([0.0], np.cumsum(prio[order])))
+        sums = cs[w:] - cs[:-w]
+        k = int(np.argmax(sums))
+        kept = np.concatenate((kept, order[k : k + w]))
+        score += float(sums[k])
+    win = kept[np.argsort(-prio[kept], kind="stable")]
+    return win, {"bp": bp, "n_candidates": n_cand, "window_score": score, "protected": n_protected}
 
 
 def default_fair(snap: Snapshot, ctx: SchedContext) -> np.ndarray:
@@ -495,7 +546,7 @@ class GMAXPolicy:
         prio, est = self.score(snap, ctx, served)
         self.last_estimates = est
         p = self.p
-        win, info = select_window(prio, snap.input_len, b, p)
+        win, info = select_window(prio, snap.input_len, b, p, protect=self.params.window == "protected")
         in_batch = np.zeros(n, bool)
         in_batch[win] = True
         preempt_idx, swapped = self._preemption(snap, ctx, prio, est, in_batch)
@@ -529,6 +580,7 @@ class GMAXPolicy:
         Pair the strongest displaced with the weakest admitted: the swap stands only if
         ``(prio_new − prio_old)·frame_s > stall·speed`` and
         ``prio_new > (1+margin)·prio_old``, where ``stall = kv_tokens/(swap_rate or prefill_rate)``
+        (times the eviction risk when the engine has a prefix cache, see ``GMAXParams.evict_frames``)
         (0 when the KV of all running requests plus the batch's frame demand fits
         ``kv_capacity_tokens``, because then the displaced request is only paused, unless it is one of
         the weakest displaced requests that do not fit ``ctx.max_running`` slots: those are preempted). Otherwise the
@@ -553,11 +605,17 @@ class GMAXPolicy:
             batch_rate = float(grate[in_batch].sum())
         rate = ctx.swap_rate or ctx.prefill_rate
         fits = False
+        evict_risk = 1.0  # share of a displaced request's KV to recompute when it comes back
         if ctx.kv_capacity_tokens is not None:
             demand = snap.input_len + snap.generated + np.minimum(est.len_rem, prm.delta_steps)
             held = float(snap.kv_tokens[snap.running].sum())
             new = float(np.maximum(demand[in_batch] - snap.kv_tokens[in_batch], 0.0).sum())
             fits = held + new <= ctx.kv_capacity_tokens
+            if fits and ctx.prefix_caching and not ctx.swap_rate:
+                # freed blocks stay cached until the free queue turns over: with this frame's demand
+                # `new` against `free` spare tokens, about new/free of them is reused per frame
+                free = ctx.kv_capacity_tokens - held - new
+                evict_risk = min(1.0, prm.evict_frames * new / max(free, 1.0))
         swapped = 0
         free_slots = ctx.batch_size - n_batch
         keep: list[int] = []
@@ -577,7 +635,7 @@ class GMAXPolicy:
                 break
             a = admitted[0]
             paused = fits and prm.free_pause and int(d) not in must_free
-            stall = 0.0 if paused else float(snap.kv_tokens[d]) / rate
+            stall = 0.0 if paused else float(snap.kv_tokens[d]) / rate * evict_risk
             gain = (prio[a] - prio[d]) * frame_s
             loss = stall * (batch_rate - grate[a] if by_goodput else speed)
             if gain > loss and prio[a] > (1.0 + prm.preempt_margin) * prio[d]:

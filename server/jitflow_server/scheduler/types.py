@@ -82,7 +82,10 @@ class SchedContext:
     measured prefill tokens per second; ``swap_rate`` the KV swap bandwidth in tokens/s (``None``:
     preemption recomputes, as vLLM v1 on CPU); ``kv_capacity_tokens`` the KV cache size in tokens
     (``None``: unknown, the engine manages memory); ``max_running`` the number of requests the engine
-    can hold running at once, paused ones included (vLLM's ``max_num_seqs``; ``None``: unlimited).
+    can hold running at once, paused ones included (vLLM's ``max_num_seqs``; ``None``: unlimited);
+    ``prefix_caching`` whether the engine keeps freed KV blocks in a prefix cache (vLLM's automatic
+    prefix caching, on by default in v1): a request preempted by recompute then gets its prefix back
+    unless other allocations evicted it, so its recompute stall is only a risk.
     """
 
     now: float
@@ -93,6 +96,7 @@ class SchedContext:
     kv_capacity_tokens: int | None = None
     replica: int = 0
     max_running: int | None = None
+    prefix_caching: bool = False
 
 
 @dataclass(slots=True)
