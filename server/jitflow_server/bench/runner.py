@@ -118,6 +118,7 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     res = summarize(out["jobs"], span, out["makespan"] - (jobs[0].arrival if jobs else 0.0), out["frame_ms"])
     res.update(variant=variant, analyzer=an_mode, waiting_time=wt, length_bound=len_mode, steps=out["steps"],
                sim_preemptions=out["preemptions"], sim_preemptions_by_reason=out["preemptions_by_reason"],
+               sim_resumed=out["resumed"],
                kv_peak_frac=out["kv_peak_blocks"] / out["kv_capacity_blocks"],
                wall_s=out["wall_s"], p_final=getattr(pol, "p", None))
     if out["match_ms"]:

@@ -117,6 +117,10 @@ class JitflowScheduler(Scheduler):
         self.frame_ms: deque[float] = deque(maxlen=4096)
         self.n_preempted = 0  # every preemption, vLLM's own (KV shortage) included
         self.preempted_by_reason: dict[str, int] = {}  # policy | slots | vllm
+        self._preempted: set[str] = set()  # preempted, not yet scheduled again
+        #: requests scheduled again after a preemption; tokens they had to restore and how many of
+        #: those the prefix cache still held (the rest was recomputed)
+        self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}
         self.n_rejected = 0
         self._dirty = True
         self._plan_batch: list[str] = []
@@ -150,6 +154,7 @@ class JitflowScheduler(Scheduler):
         self.events.append((time.time(), kind, req_id, detail))
 
     def _forget(self, req_id: str) -> None:
+        self._preempted.discard(req_id)
         m = self.meta.pop(req_id, None)
         if m is not None and self.by_jf.get(m.jf_id) == req_id:
             del self.by_jf[m.jf_id]
@@ -159,6 +164,7 @@ class JitflowScheduler(Scheduler):
         super()._preempt_request(request, timestamp, drop_stale_output)
         self.n_preempted += 1
         self.preempted_by_reason[why] = self.preempted_by_reason.get(why, 0) + 1
+        self._preempted.add(request.request_id)
         self._event("preempt", request.request_id, why)
 
     def finish_requests(self, request_ids, finished_status):  # type: ignore[override]
@@ -309,7 +315,15 @@ class JitflowScheduler(Scheduler):
         return out
 
     def _mark_scheduled(self, out, now: float) -> None:
-        for rid in out.num_scheduled_tokens:
+        for rid, n in out.num_scheduled_tokens.items():
+            if rid in self._preempted:  # resumed after a preemption: how much did the prefix cache keep?
+                self._preempted.discard(rid)
+                r = self.requests.get(rid)
+                if r is not None:
+                    # vLLM has already advanced num_computed_tokens by this step's tokens
+                    self.resumed["requests"] += 1
+                    self.resumed["tokens"] += r.num_prompt_tokens + r.num_output_tokens
+                    self.resumed["cached_tokens"] += max(int(r.num_computed_tokens) - int(n), 0)
             m = self.meta.get(rid)
             if m is not None and m.first_sched is None:
                 m.first_sched = now
@@ -399,7 +413,10 @@ class JitflowScheduler(Scheduler):
             "paused": self.pause_state != PauseState.UNPAUSED,
             "unfinished": self.get_num_unfinished_requests(), "steps": self.step_no, "frames": self.frame_no,
             "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
+            "block_size": int(self.block_size),
+            "kv_capacity_tokens": int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size),
             "preempted": self.n_preempted, "preempted_by_reason": dict(self.preempted_by_reason),
+            "resumed": dict(self.resumed),
             "rejected": self.n_rejected, "tracker": self.tracker.summary(),
         }
 

