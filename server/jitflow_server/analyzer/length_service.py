@@ -223,21 +223,27 @@ class LengthService:
 
     def _record(self, r: _Req, output_len: int) -> None:
         """Telemetry line and refit example for one finished request whose prompt features are known."""
-        if r.prompt_feats is not None:
-            ex = LengthExample(output_len=int(output_len), prompt=r.prompt if self.record_text else None,
-                               app=r.app, model=r.model, stage=r.stage, prompt_tokens=r.prompt_tokens,
-                               prompt_features=[float(x) for x in r.prompt_feats],
-                               prefix_features={k: v for k, v in r.prefix_feats.items() if k < output_len})
-            self._write_telemetry(r, ex)
-            if self.predictor is not None and self.refit_min_new > 0:
-                with self._lock:
-                    self._new_examples.append(ex)
-                    start = len(self._new_examples) >= self.refit_min_new and not self._refitting()
-                    batch = self._new_examples if start else None
-                    if start:
-                        self._new_examples = []
-                if batch:
-                    self._start_refit(batch)
+        ex = LengthExample(output_len=int(output_len), prompt=r.prompt if self.record_text else None,
+                           app=r.app, model=r.model, stage=r.stage, prompt_tokens=r.prompt_tokens,
+                           prompt_features=[float(x) for x in r.prompt_feats],
+                           prefix_features={k: v for k, v in r.prefix_feats.items() if k < output_len})
+        self._write_telemetry(r, ex)
+        if self.predictor is not None and self.refit_min_new > 0:
+            with self._lock:
+                self._new_examples.append(ex)
+                start = len(self._new_examples) >= self.refit_min_new and not self._refitting()
+                batch = self._new_examples if start else None
+                if start:
+                    self._new_examples = []
+            if batch:
+                self._start_refit(batch)
+
+    def _record_late(self, late: list[tuple[_Req, int]], predictor: LengthPredictor | None) -> None:
+        """Featurize and record requests that finished before their prompt features existed."""
+        if late:
+            self._featurize([r for r, _ in late], predictor.counter if predictor else get_token_counter())
+            for r, n in late:
+                self._record(r, n)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until the queue is empty and the worker idle (tests/CLI only). True if drained in time."""
@@ -273,10 +279,7 @@ class LengthService:
         with self._cv:
             late = list(self._late)
             self._late.clear()
-        if late:
-            self._featurize([r for r, _ in late], self.predictor.counter if self.predictor else get_token_counter())
-            for r, n in late:
-                self._record(r, n)
+        self._record_late(late, self.predictor)
         if self._refit_thread is not None:
             self._refit_thread.join(timeout=120)
 
@@ -298,10 +301,7 @@ class LengthService:
                 self._busy = True
                 predictor = self.predictor
             try:
-                if late:
-                    self._featurize([r for r, _ in late], predictor.counter if predictor else get_token_counter())
-                    for r, n in late:
-                        self._record(r, n)
+                self._record_late(late, predictor)
                 live = [(j, reqs[j.req_id]) for j in jobs.values() if reqs[j.req_id] is not None]
                 if live and predictor is not None:
                     self._predict_batch(predictor, live)

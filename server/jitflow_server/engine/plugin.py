@@ -115,8 +115,8 @@ class JitflowScheduler(Scheduler):
         self.step_no = 0
         self.frame_no = 0
         self.frame_ms: deque[float] = deque(maxlen=4096)
-        self.n_preempted = 0  # every preemption, vLLM's own (KV shortage) included
-        self.preempted_by_reason: dict[str, int] = {}  # policy | slots | vllm
+        #: every preemption by reason: policy | slots | vllm (vLLM's own, KV shortage)
+        self.preempted_by_reason: dict[str, int] = {}
         self._preempted: set[str] = set()  # preempted, not yet scheduled again
         #: requests scheduled again after a preemption; tokens they had to restore and how many of
         #: those the prefix cache still held (the rest was recomputed)
@@ -162,7 +162,6 @@ class JitflowScheduler(Scheduler):
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False,
                          why: str = "vllm") -> None:  # type: ignore[override]
         super()._preempt_request(request, timestamp, drop_stale_output)
-        self.n_preempted += 1
         self.preempted_by_reason[why] = self.preempted_by_reason.get(why, 0) + 1
         self._preempted.add(request.request_id)
         self._event("preempt", request.request_id, why)
@@ -237,7 +236,7 @@ class JitflowScheduler(Scheduler):
             now=now, batch_size=self.batch_size,
             token_time=self.tracker.token_time(min(self.batch_size, max(len(views), 1))),
             prefill_rate=self.tracker.prefill_rate(),
-            kv_capacity_tokens=int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size) or None,
+            kv_capacity_tokens=self._kv_capacity_tokens() or None,
             max_running=self.max_num_running_reqs,
             prefix_caching=bool(self.cache_config.enable_prefix_caching),
         )
@@ -329,6 +328,10 @@ class JitflowScheduler(Scheduler):
                 m.first_sched = now
                 self._event("first_sched", rid, f"running={len(self.running)}")
 
+    def _kv_capacity_tokens(self) -> int:
+        """KV cache size in tokens (0 before the engine has sized it)."""
+        return int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size)
+
     def _plan_dump(self) -> dict:
         """The last frame: ``{"time": unix s, "batch": [ids], "preempt": [ids], "requests": [{id, kind,
         running, in_batch, priority, generated, len_bound, input_len, arrival, admit_by, deadline,
@@ -414,8 +417,8 @@ class JitflowScheduler(Scheduler):
             "unfinished": self.get_num_unfinished_requests(), "steps": self.step_no, "frames": self.frame_no,
             "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
             "block_size": int(self.block_size),
-            "kv_capacity_tokens": int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size),
-            "preempted": self.n_preempted, "preempted_by_reason": dict(self.preempted_by_reason),
+            "kv_capacity_tokens": self._kv_capacity_tokens(),
+            "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
             "resumed": dict(self.resumed),
             "rejected": self.n_rejected, "tracker": self.tracker.summary(),
         }

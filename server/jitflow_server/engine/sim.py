@@ -96,9 +96,8 @@ class _Call:
     running: bool = False
     scheduled: bool = False
     swapped: int = 0
-    cache_free_pos: int = 0  # prefix cache: free-queue length when this call's blocks were freed
-    cache_mark: int = 0  # ... and the allocation counter at that moment
-    cache_blocks: int = 0  # ... and how many blocks it freed (0: nothing cached)
+    cache_evict_at: int = 0  # prefix cache: allocation count at which its first freed block is reused
+    cache_blocks: int = 0  # ... how many blocks it freed (0: nothing cached)
     cache_full: int = 0  # ... of which full blocks (reusable)
     bound_at: int = -1
     n_preempt: int = 0
@@ -212,7 +211,6 @@ class SimEngine:
         step = 0
         frame_step = 0
         frame_ms: list[float] = []
-        n_preempt = 0
         why_preempt: dict[str, int] = {}  # as the plug-in's preempt events: policy, slots, kv, blocked
         resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}  # as the plug-in's stats
         t = 0.0
@@ -234,14 +232,14 @@ class SimEngine:
             """
             if not (m.prefix_caching and c.cache_blocks):
                 return 0
-            evicted = min(max(alloc_total - c.cache_mark - c.cache_free_pos, 0), c.cache_blocks)
+            evicted = min(max(alloc_total - c.cache_evict_at, 0), c.cache_blocks)
             keep = min(c.cache_full, c.cache_blocks - evicted)
             # whole blocks only, and at least the last token is recomputed (vLLM: a hit of at most
             # num_tokens - 1 tokens, block-aligned); vLLM-cpu's 128-token blocks make short calls miss
             return max(0, min(keep, (c.input_len + c.generated - 1) // bs) * bs)
 
         def preempt(c: _Call, why: str) -> None:
-            nonlocal n_preempt, stall
+            nonlocal stall
             why_preempt[why] = why_preempt.get(why, 0) + 1
             if c in running:
                 running.remove(c)
@@ -249,14 +247,13 @@ class SimEngine:
                 c.swapped = c.computed
                 stall += c.computed / m.swap_rate
             elif m.prefix_caching:
-                c.cache_free_pos, c.cache_mark = self.cap_blocks - used_blocks, alloc_total
+                c.cache_evict_at = alloc_total + self.cap_blocks - used_blocks  # after the free queue ahead
                 c.cache_blocks, c.cache_full = c.blocks, c.computed // bs
             c.computed = 0
             free(c)
             c.running = False
             c.n_preempt += 1
             c.js.n_preempt += 1
-            n_preempt += 1
             waiting[c.rid] = c
 
         def finish_call(c: _Call, now: float, ok: bool) -> None:
@@ -407,7 +404,7 @@ class SimEngine:
                     if budget <= 0 or len(sched) >= B:
                         break
                     base = c.swapped or cache_hit(c)
-                    resuming = c.n_preempt > 0 and c.computed == 0 and not c.swapped
+                    resuming = c.n_preempt > 0 and not c.swapped
                     need = c.input_len + c.generated - base
                     ntok = min(need, budget)
                     nb = -(-(base + ntok) // bs)
@@ -521,7 +518,7 @@ class SimEngine:
             "makespan": t,
             "frame_ms": frame_ms,
             "steps": step,
-            "preemptions": n_preempt,
+            "preemptions": sum(why_preempt.values()),
             "preemptions_by_reason": why_preempt,
             "resumed": resumed,
             "prefill_tokens": prefill_total,
