@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from jitflow_server.cli import app
@@ -19,7 +20,7 @@ def test_bench_sim_writes_results_and_plots(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert set(res["main"]) == {"0.5", "2.0"}
     for k, runs in res["main"].items():
-        assert set(runs) == {"gmax", "fcfs", "oracle"}
+        assert set(runs) == {"gmax", "fcfs", "oracle", "gmax-noadmit"}  # + the capacity run
         wl = res["workloads"][k]
         for m in runs.values():
             assert m["jobs"] == 24
@@ -45,3 +46,54 @@ def test_bench_sim_rejects_bad_input(tmp_path):
     assert r.exit_code == 2
     r = runner.invoke(app, ["bench", "sim", "--rps", "1,-2", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2
+
+
+def test_bench_sim_seeds_average_with_intervals_and_capacity_run(tmp_path):
+    out = tmp_path / "sim"
+    r = CliRunner().invoke(app, [
+        "bench", "sim", "--preset", "a100-llama8b", "--policies", "gmax,fcfs,sjf", "--rps", "6", "--requests", "80",
+        "--seeds", "3", "--no-ablation", "--tightness-sweep", "", "--mix-sweep", "", "--data", str(tmp_path),
+        "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    runs = res["main"]["6.0"]
+    assert set(runs) == {"gmax", "fcfs", "sjf", "gmax-noadmit"}  # the capacity run is added
+    per_seed = res["per_seed"]
+    assert set(per_seed) == {"0", "1", "2"}
+    for p, m in runs.items():
+        vals = [per_seed[s]["6.0"][p]["token_goodput"] for s in per_seed]
+        assert m["seeds"] == 3 and m["token_goodput"] == pytest.approx(sum(vals) / 3)
+        assert len(set(vals)) > 1  # different workloads per seed
+        assert m["token_goodput_ci95"] > 0
+    h = res["headline"]["6.0"]
+    assert h["seeds"] == 3 and h["gmax_over_best_baseline_ci95"] is not None
+    caps = [per_seed[s]["6.0"]["gmax-noadmit"]["throughput"] / per_seed[s]["6.0"]["fcfs"]["throughput"]
+            for s in per_seed]
+    assert h["gmax_capacity_over_fcfs"] == pytest.approx(sum(caps) / 3)
+    assert runs["gmax-noadmit"]["rejected"] == 0 and runs["fcfs"]["rejected"] == 0
+    assert "±" in (out / "results.md").read_text()
+    r2 = CliRunner().invoke(app, [
+        "bench", "sim", "--preset", "cpu-demo", "--policies", "gmax,fcfs", "--rps", "2", "--requests", "20",
+        "--no-capacity", "--no-ablation", "--tightness-sweep", "", "--mix-sweep", "", "--data", str(tmp_path),
+        "--out", str(tmp_path / "nocap")])
+    assert r2.exit_code == 0, r2.output
+    res2 = json.loads((tmp_path / "nocap" / "results.json").read_text())
+    assert set(res2["main"]["2.0"]) == {"gmax", "fcfs"} and "per_seed" not in res2
+
+
+def test_mean_runs_and_ci95():
+    from jitflow_server.bench.metrics import ci95, mean_runs
+
+    a = {"token_goodput": 10.0, "request_goodput": 1.0, "throughput": 5.0, "name": "x", "p": None,
+         "per_kind": {"latency": {"ttft_p50": 1.0, "n": 3}}}
+    b = {"token_goodput": 20.0, "request_goodput": 3.0, "throughput": 5.0, "name": "y", "p": 4.0,
+         "per_kind": {"latency": {"ttft_p50": 3.0, "n": 5}, "compound": {"n": 1}}}
+    m = mean_runs([a, b])
+    assert m["token_goodput"] == 15.0 and m["per_kind"] == {"latency": {"ttft_p50": 2.0, "n": 4.0}}
+    assert m["name"] == "x" and m["p"] == 4.0 and m["seeds"] == 2
+    assert m["throughput_ci95"] == 0.0
+    assert m["token_goodput_ci95"] == pytest.approx(ci95([10.0, 20.0]))
+    assert ci95([10.0, 20.0]) == pytest.approx(12.706 * 5.0, rel=1e-3)  # t(0.975, 1) · s / √n
+    assert ci95([3.0]) is None
+    with pytest.raises(ValueError):
+        mean_runs([])

@@ -180,6 +180,24 @@ def test_health_and_engine_stats(server_url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "params"
 
 
+def test_step_log_records_the_steps_of_a_request(server_url):
+    t0 = time.time()
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 12, "ignore_eos": True})
+    assert r.status_code == 200
+    body = httpx.get(server_url + "/v1/jitflow/engine/steps", params={"since": t0}).json()
+    assert body["fields"][:5] == ["t", "period_s", "forward_s", "n_decode", "prefill_tokens"]
+    steps = body["steps"]
+    # one prefill step (the prompt, maybe in chunks) and one decode step per further token; other tests'
+    # requests may share the engine, so at least, not exactly
+    assert sum(s[3] for s in steps) >= 11 and sum(s[4] for s in steps) >= 1
+    assert all(s[0] > t0 and s[2] > 0 and (s[1] is None or s[1] >= s[2] * 0.5) for s in steps)
+    assert [s[0] for s in steps] == sorted(s[0] for s in steps)
+    later = httpx.get(server_url + "/v1/jitflow/engine/steps", params={"since": steps[-1][0]}).json()["steps"]
+    assert all(s[0] > steps[-1][0] for s in later)
+    bad = httpx.get(server_url + "/v1/jitflow/engine/steps", params={"since": "yesterday"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
+
+
 def test_length_predictor_sees_observed_lengths(server_url, server_files):
     """Requests without a known length get a predicted bound; their observed length is recorded."""
     # every finished request of the session server is logged (also before a model exists), and the

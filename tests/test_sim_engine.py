@@ -171,7 +171,7 @@ def test_prefix_cache_makes_an_early_recompute_nearly_free():
     jobs = [Job(f"j{i}", "deadline", 0.0, "batch", [[CallSpec(200, 120)]], deadline=1000.0) for i in range(3)]
 
     def run(model):
-        pol = make_policy("las", delta_steps=1)
+        pol = make_policy("las", delta_steps=1, mlfq=False)
         return SimEngine(model, pol, LengthBounder("oracle"), _analyzer(model), SimConfig(waiting_time=None)).run(jobs)
 
     cached = run(roomy)
@@ -203,7 +203,7 @@ def test_prefix_cache_hits_are_whole_blocks():
 
     def run(block: int):
         model = StepModel(**{**SMALL.to_dict(), "batch_size": 1, "block_size": block, "name": f"b{block}"})
-        return SimEngine(model, make_policy("las", delta_steps=1), LengthBounder("oracle"), _analyzer(model),
+        return SimEngine(model, make_policy("las", delta_steps=1, mlfq=False), LengthBounder("oracle"), _analyzer(model),
                          SimConfig(waiting_time=None)).run(jobs)
 
     small, big = run(16), run(128)

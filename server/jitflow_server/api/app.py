@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -314,6 +315,22 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         detail]``: ``engine`` from the scheduler plug-in (add, first_sched, preempt, finish, reject) and
         ``server`` from the HTTP layer (arrive, first_token, done, abort)."""
         return {"engine": await eng.rpc("events"), "server": [list(e) for e in state.events]}
+
+    @app.get("/v1/jitflow/engine/steps")
+    async def engine_steps(since: str = "0"):
+        """The engine's step log (step-time model fits, simulator fidelity): steps after unix time
+        ``since`` (s), oldest first, each ``[unix s, period s, forward s, n_decode, prefill tokens,
+        context tokens of the decodes, cv of the batch's context lengths]``. ``period`` is the time since
+        the previous step (null after the engine was idle); ``forward`` the model execution alone."""
+        try:
+            t = float(since)
+        except ValueError:
+            raise APIError(400, "since must be a number (unix seconds)", param="since") from None
+        if not math.isfinite(t):
+            raise APIError(400, "since must be finite", param="since")
+        steps = await eng.rpc("steps", {"since": t})
+        return {"fields": ["t", "period_s", "forward_s", "n_decode", "prefill_tokens", "ctx_decode_tokens",
+                           "ctx_cv"], "steps": steps}
 
     @app.get("/v1/jitflow/engine/plan")
     async def engine_plan():

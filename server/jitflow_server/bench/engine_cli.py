@@ -33,7 +33,8 @@ def run_engine_policies(srv, jobs: list, policies: list[str], model_preset, leng
                         waiting_time: float | None, seed: int, baseline_delta: int, refine: bool = False,
                         console=None) -> dict:
     """Run ``jobs`` once per policy on the running server ``srv``; returns ``{policy: {"metrics", "jobs",
-    "stats", "errors", "wall_s"}}`` (metrics from :func:`jitflow_server.bench.metrics.summarize`)."""
+    "stats", "errors", "wall_s", "steps"}}`` (metrics from :func:`jitflow_server.bench.metrics.summarize`;
+    ``steps`` the engine's step log of the run, ``GET /v1/jitflow/engine/steps``)."""
     from rich.progress import Progress
 
     from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
@@ -57,6 +58,7 @@ def run_engine_policies(srv, jobs: list, policies: list[str], model_preset, leng
                                 analyzers["oracle" if pol == "oracle" else "pattern"], waiting_time, seed,
                                 progress=lambda t=task: prog.advance(t))
         st = srv.wait_idle()
+        steps = srv.steps(t0)
         m = summarize(res["jobs"], span, res["makespan"])
         frames = (st.get("frames") or 0) - (st0.get("frames") or 0)
         if pol not in ("fcfs", "vllm") and frames > 0:
@@ -67,7 +69,7 @@ def run_engine_policies(srv, jobs: list, policies: list[str], model_preset, leng
         m["preemptions_by_reason"] = {k: v - r0.get(k, 0) for k, v in r1.items() if v - r0.get(k, 0)}
         m["server_rejected"] = (st.get("rejected") or 0) - (st0.get("rejected") or 0)
         out[pol] = {"metrics": m, "jobs": res["jobs"], "stats": st, "errors": res["errors"][:20],
-                    "wall_s": time.time() - t0}
+                    "wall_s": time.time() - t0, "steps": steps}
         if console is not None:
             console.print(f"{pol}: token goodput {m['token_goodput']:.1f} tok/s, SLO attainment "
                           f"{m['slo_attainment']:.2f}, throughput {m['throughput']:.1f} tok/s, "
@@ -107,8 +109,18 @@ def _engine_md(res: dict, command: str) -> str:
 
 
 def _strip(res: dict) -> dict:
-    return {**res, "policies": {p: {k: v for k, v in r.items() if k != "jobs"} | {"n_jobs": len(r["jobs"])}
-                                for p, r in res["policies"].items()}}
+    return {**res, "policies": {p: {k: v for k, v in r.items() if k not in ("jobs", "steps")}
+                                | {"n_jobs": len(r["jobs"])} for p, r in res["policies"].items()}}
+
+
+def write_steps(runs: dict, path: Path) -> None:
+    """Save the engine step logs of ``runs`` (``{policy: {"steps": [...]}}``) as ``{"fields": [...],
+    "policies": {policy: [[t, period_s, forward_s, n_decode, prefill_tokens, ctx_decode_tokens, ctx_cv]]}}``
+    (read by ``jitflow bench fit-steps`` and the fidelity report)."""
+    from jitflow_server.bench.stepfit import STEP_FIELDS
+
+    path.write_text(json.dumps({"fields": list(STEP_FIELDS),
+                                "policies": {p: r.get("steps") or [] for p, r in runs.items()}}))
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -195,7 +207,8 @@ def register(bench_app: typer.Typer) -> None:
         cmd = _command(f"jitflow bench engine --duration {duration} --rps {rps} --out {out}")
         (out / "results.json").write_text(json.dumps(_strip(res), indent=1))
         (out / "results.md").write_text(_engine_md(res, cmd))
-        con.print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+        write_steps(runs, out / "steps.json")
+        con.print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'steps.json'} (engine step log)")
 
     @bench_app.command("profile")
     def profile(
@@ -287,6 +300,7 @@ def register(bench_app: typer.Typer) -> None:
                 raise typer.BadParameter(f"{real_from} has {saved['config']['requests']} requests, the rebuilt "
                                          f"workload {len(jobs)} (another --data?)", param_hint="--real-from")
             real = {p: {"metrics": m} for p, m in saved["real"].items()}
+            step_file = Path(real_from).parent / "steps.json"
         else:
             try:
                 with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
@@ -296,6 +310,8 @@ def register(bench_app: typer.Typer) -> None:
             except EngineBenchError as e:
                 con.print(f"[red]error:[/red] {e}")
                 raise typer.Exit(1) from None
+            step_file = out / "steps.json"
+            write_steps(real, step_file)
         st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, baseline_admission=True,
                          baseline_delta=baseline_delta, length_scale=length_scale, seed=seed)
         sim = {}
@@ -307,6 +323,15 @@ def register(bench_app: typer.Typer) -> None:
                           "waiting_time": waiting_time, "tightness": tightness, "seed": seed, "data": ds.origin},
                "real": {p: r["metrics"] for p, r in real.items()}, "sim": sim}
         res["diff"] = fidelity_diff(res["real"], res["sim"])
+        if step_file.exists():  # the preset's step-time model on the batches the real engine ran
+            from jitflow_server.bench.stepfit import check_step_model, load_steps
+
+            try:
+                logs = load_steps(step_file)
+            except ValueError as e:
+                con.print(f"[yellow]step log ignored:[/yellow] {e}")
+                logs = {}
+            res["step_model"] = {p: check_step_model(pm, a) for p, a in logs.items() if p in pols}
         cmd = _command(f"jitflow bench fidelity --duration {duration} --rps {rps} --out {out}")
         if real_from is not None:
             res["config"]["real_from"] = str(real_from)
@@ -359,6 +384,17 @@ def _fidelity_md(res: dict, command: str) -> str:
 
             L.append(f"| {p} | preemptions | {d.get('preemptions_real')}{why(d['preemptions_by_reason_real'])} | "
                      f"{d.get('preemptions_sim')}{why(d['preemptions_by_reason_sim'])} | |")
+    if res.get("step_model"):
+        L += ["", "Step-time model on the real engine's batches (`steps.json`: every step the engine ran "
+              "back to back; ratio = time the preset predicts / time measured; > 1: the simulator is slower)", "",
+              "| policy | steps | mean step ms | Σ predicted / Σ measured | median step ratio | by decode batch size |",
+              "|---|---:|---:|---:|---:|---|"]
+        for p, c in res["step_model"].items():
+            if not c:
+                continue
+            bb = ", ".join(f"{k}: {v[1]:.2f} ({v[0]})" for k, v in c["by_batch"].items())
+            L.append(f"| {p} | {c['steps']} | {c['mean_measured_ms']:.1f} | {c['time_ratio']:.3f} | "
+                     f"{c['median_step_ratio']:.3f} | {bb} |")
     L += ["", "Per kind (real / sim): SLO attainment and P50, P95 latencies (s)", "",
           "| policy | kind | SLO att. | TTFT P50 | TTFT P95 | TBT P50 | TBT P95 | E2EL P50 | E2EL P95 |",
           "|---|---|---|---|---|---|---|---|---|"]

@@ -81,3 +81,47 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
         res["frame_ms_p99"] = _pct(frame_ms, 99)
         res["frames"] = len(frame_ms)
     return res
+
+
+def ci95(xs: list[float]) -> float | None:
+    """Half-width (same unit as ``xs``) of the two-sided 95 % Student-t confidence interval of the
+    mean of ``xs``; None for fewer than two values (one run has no interval)."""
+    if len(xs) < 2:
+        return None
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, len(xs) - 1) * np.std(xs, ddof=1) / np.sqrt(len(xs)))
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def mean_runs(runs: list[dict]) -> dict:
+    """Average repeated runs of one policy and load (one dict per seed, as :func:`summarize` returns).
+
+    Every numeric leaf present in all runs becomes its mean (nested dicts such as ``per_kind`` are
+    averaged key by key; percentiles are averaged across seeds, not pooled); a leaf that is None in
+    some runs is averaged over the others; other values are taken from the first run. Adds
+    ``<key>_ci95`` (:func:`ci95`) for ``token_goodput``, ``request_goodput`` and ``throughput`` and
+    ``seeds`` (the number of runs). Raises ``ValueError`` for an empty list.
+    """
+    if not runs:
+        raise ValueError("mean_runs needs at least one run")
+
+    def merge(vals: list):
+        first = vals[0]
+        if all(isinstance(v, dict) for v in vals):
+            keys = [k for k in first if all(k in v for v in vals)]
+            return {k: merge([v[k] for v in vals]) for k in keys}
+        nums = [v for v in vals if v is not None]
+        if nums and all(_is_num(v) for v in nums):
+            return float(np.mean(nums))
+        return first
+
+    out = merge(runs)
+    for k in ("token_goodput", "request_goodput", "throughput"):
+        if all(_is_num(r.get(k)) for r in runs):
+            out[f"{k}_ci95"] = ci95([float(r[k]) for r in runs])
+    out["seeds"] = len(runs)
+    return out

@@ -21,14 +21,17 @@ def _rps_keys(res: dict) -> list[str]:
 
 
 def plot_goodput_vs_rps(res: dict, out: Path) -> Path:
-    """Token and request goodput vs RPS per policy (Fig. 15)."""
+    """Token and request goodput vs RPS per policy (Fig. 15), with 95 % error bars for several seeds."""
     plt = _plt()
     keys = _rps_keys(res)
     xs = [float(k) for k in keys]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for pol in res["config"]["policies"]:
-        axes[0].plot(xs, [res["main"][k][pol]["token_goodput"] for k in keys], marker="o", label=pol)
-        axes[1].plot(xs, [res["main"][k][pol]["request_goodput"] for k in keys], marker="o", label=pol)
+        for ax, m in zip(axes, ("token_goodput", "request_goodput"), strict=True):
+            runs = [res["main"][k][pol] for k in keys]
+            err = [r.get(f"{m}_ci95") or 0.0 for r in runs]  # 95 % interval with --seeds > 1
+            ax.errorbar(xs, [r[m] for r in runs], yerr=err if any(err) else None, marker="o", capsize=3,
+                        label=pol)
     axes[0].set_ylabel("token goodput (tokens/s)")
     axes[1].set_ylabel("request goodput (requests/s meeting SLO)")
     for ax in axes:

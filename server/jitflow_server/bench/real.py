@@ -136,6 +136,12 @@ class ServerProcess:
 
         return httpx.get(self.base_url + "/v1/jitflow/engine", timeout=30).json()
 
+    def steps(self, since: float = 0.0) -> list[list]:
+        """``GET /v1/jitflow/engine/steps``: the engine's step log after unix time ``since`` (s)."""
+        import httpx
+
+        return httpx.get(self.base_url + "/v1/jitflow/engine/steps", params={"since": since}, timeout=60).json()["steps"]
+
     def wait_idle(self, timeout: float = 600.0) -> dict:
         """Poll the engine stats until nothing is in flight; returns the last stats."""
         t0 = time.time()

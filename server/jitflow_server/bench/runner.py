@@ -9,7 +9,10 @@
 - ``sjf-analyzer``: the Fig. 17 "w/o GMAX" variant (SJF on the analyzer's estimates; identical to
   ``sjf`` with the default analyzer, listed separately for the ablation table);
 - ``gmax-age`` / ``gmax-served``: GMAX with δ's frames counted from arrival (the core's default) or
-  since the request was last served (the earlier rule, which thrashes under overload).
+  since the request was last served (the earlier rule, which thrashes under overload);
+- ``gmax-noadmit``: GMAX without admission control. It serves exactly the work FCFS serves, so its
+  makespan throughput over FCFS's is the scheduler's cost in serving capacity (the throughput target
+  of issue 6; JITServe Fig. 14 compares against Sarathi-Serve the same way).
 
 Baselines run frames of ``baseline_delta`` decode steps (default Δ = 50, like GMAX) plus a new
 frame on every arrival/finish: they re-rank exactly when their order can change through an
@@ -31,7 +34,7 @@ from jitflow_server.bench.workload import DataSources, Job
 from jitflow_server.engine.sim import SimConfig, SimEngine
 from jitflow_server.scheduler import POLICY_NAMES, make_policy
 
-EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age", "gmax-served")
+EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age", "gmax-served", "gmax-noadmit")
 VARIANTS = (*POLICY_NAMES, *EXTRA_VARIANTS)
 
 
@@ -77,7 +80,7 @@ def build_policy(variant: str, st: RunSettings):
         return _gmax_with_clock("gmax", "arrival", **dict(st.gmax_params))
     if variant == "gmax-served":  # the earlier rule: δ counted since last served (recompute thrashing)
         return _gmax_with_clock("gmax", "served", **dict(st.gmax_params))
-    base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax"}.get(variant, variant)
+    base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax", "gmax-noadmit": "gmax"}.get(variant, variant)
     if base in ("gmax", "gmax-paper", "oracle"):
         if st.age_boost:  # δ from arrival for every GMAX-family variant (now the core's default)
             return _gmax_with_clock(base, "arrival", **dict(st.gmax_params))
@@ -111,7 +114,8 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     if len_mode == "average":
         bounder.fit_averages(jobs)
     pol = build_policy(variant, st)
-    wt = st.waiting_time if (is_gmax_family(variant) or st.baseline_admission) else None
+    admit = variant != "gmax-noadmit" and (is_gmax_family(variant) or st.baseline_admission)
+    wt = st.waiting_time if admit else None
     eng = SimEngine(model, pol, bounder, an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed))
     out = eng.run(jobs)
     span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0

@@ -70,6 +70,29 @@ def headline(main: dict, rps_key: str) -> dict:
         gt, ft = runs["gmax"].get("token_throughput_window"), runs["fcfs"].get("token_throughput_window")
         if gt is not None and ft:
             out["gmax_window_token_throughput_over_fcfs"] = gt / ft
+    if "gmax-noadmit" in runs and "fcfs" in runs and runs["fcfs"].get("waiting_time") is None:
+        # same work as FCFS (no request rejected by either): the scheduler's cost in serving capacity
+        out["gmax_capacity_over_fcfs"] = runs["gmax-noadmit"]["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
+    return out
+
+
+def aggregate_headlines(heads: list[dict]) -> dict:
+    """Mean of per-seed :func:`headline` dicts, with ``<key>_ci95`` (95 % t-interval half-width) for
+    every ratio, ``best_baseline`` as the most frequent one and ``seeds`` = len(heads). Ratios are
+    averaged per seed (each seed's ratio is measured side by side on one workload)."""
+    from collections import Counter
+
+    from jitflow_server.bench.metrics import ci95
+
+    out: dict = {"rps": heads[0]["rps"], "seeds": len(heads)}
+    bests = [h["best_baseline"] for h in heads if "best_baseline" in h]
+    if bests:
+        out["best_baseline"] = Counter(bests).most_common(1)[0][0]
+    keys = [k for k in heads[0] if k not in ("rps", "best_baseline") and all(k in h for h in heads)]
+    for k in keys:
+        vals = [float(h[k]) for h in heads]
+        out[k] = sum(vals) / len(vals)
+        out[f"{k}_ci95"] = ci95(vals)
     return out
 
 
@@ -78,8 +101,17 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                   analyzer: str, batch_size: Optional[int], waiting_time: float, length_scale: Optional[float],
                   ablation: bool, tightness_list: list[float], mixes: list[str], sweep_requests: int,
                   sweep_rps: Optional[float], gmax_params: dict, progress=None,
-                  baseline_admission: bool = False, age_boost: bool = False) -> dict:
-    """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring)."""
+                  baseline_admission: bool = False, age_boost: bool = False, seeds: int = 1) -> dict:
+    """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring).
+
+    ``seeds`` > 1 repeats the policy × load grid on workloads of seeds ``seed … seed+seeds−1``
+    (arrivals, lengths and length-bound noise change): ``main`` then holds the mean of each metric
+    (:func:`~jitflow_server.bench.metrics.mean_runs`), ``headline`` the mean ratio with its 95 %
+    interval (:func:`aggregate_headlines`) and ``per_seed`` the main metrics of every run. The
+    ablation and the sweeps run on ``seed`` only."""
+    from dataclasses import replace
+
+    from jitflow_server.bench.metrics import mean_runs
     from jitflow_server.bench.presets import load_preset
     from jitflow_server.bench.runner import RunSettings, run_sim_one
     from jitflow_server.bench.workload import DataSources, make_workload, parse_mix, workload_summary
@@ -110,15 +142,31 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                             "baseline_admission": baseline_admission, "age_boost": age_boost,
                             "length_scale": ls, "data": data.origin, "gmax_params": gmax_params},
                  "main": {}, "workloads": {}}
-    for rps in rps_list:
-        jobs = wl(n_requests, rps)
-        res["workloads"][str(rps)] = workload_summary(jobs)
-        res["main"][str(rps)] = {}
-        for pol in policies:
-            tick(f"rps {rps}: {pol}")
-            res["main"][str(rps)][pol] = run_sim_one(jobs, model, pol, st, data, analyzers)
+    res["config"]["seeds"] = seeds
+    per_seed: dict = {}
+    for s in range(seed, seed + seeds):
+        st_s = replace(st, seed=s)
+        grid: dict = {}
+        for rps in rps_list:
+            jobs = wl(n_requests, rps, s=s)
+            if s == seed:
+                res["workloads"][str(rps)] = workload_summary(jobs)
+            grid[str(rps)] = {}
+            for pol in policies:
+                tick(f"rps {rps}: {pol}" + (f" (seed {s})" if seeds > 1 else ""))
+                grid[str(rps)][pol] = run_sim_one(jobs, model, pol, st_s, data, analyzers)
+        per_seed[s] = grid
     top = str(max(rps_list))
-    res["headline"] = {k: headline(res["main"], k) for k in res["main"]}
+    if seeds == 1:
+        res["main"] = per_seed[seed]
+        res["headline"] = {k: headline(res["main"], k) for k in res["main"]}
+    else:
+        keys = [str(r) for r in rps_list]
+        res["main"] = {k: {p: mean_runs([per_seed[s][k][p] for s in per_seed]) for p in policies} for k in keys}
+        res["headline"] = {k: aggregate_headlines([headline(per_seed[s], k) for s in per_seed]) for k in keys}
+        res["per_seed"] = {str(s): {k: {p: {m: r[m] for m in ("token_goodput", "request_goodput", "throughput",
+                                                               "slo_attainment", "rejected")}
+                                        for p, r in g[k].items()} for k in keys} for s, g in per_seed.items()}
     srps = sweep_rps or max(rps_list)
     if ablation:
         jobs = wl(n_requests, float(top))
@@ -152,10 +200,11 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
 
 
 def count_runs(policies: list[str], rps_list: list[float], ablation: bool, tightness_list: list[float],
-               mixes: list[str]) -> int:
+               mixes: list[str], seeds: int = 1) -> int:
     """Number of progress ticks of :func:`run_sim_bench`."""
     n_sw = len([p for p in SWEEP_POLICIES if p in policies]) or min(3, len(policies))
-    return len(policies) * len(rps_list) + (6 if ablation else 0) + n_sw * (len(tightness_list) + len(mixes))
+    return (len(policies) * len(rps_list) * seeds + (6 if ablation else 0)
+            + n_sw * (len(tightness_list) + len(mixes)))
 
 
 def _fmt(x, nd: int = 2) -> str:
@@ -164,6 +213,14 @@ def _fmt(x, nd: int = 2) -> str:
     if isinstance(x, float):
         return f"{x:.{nd}f}"
     return str(x)
+
+
+def _fci(d: dict, key: str, nd: int = 2) -> str:
+    """``d[key]`` formatted, with ``± <key>_ci95`` when the run had several seeds."""
+    v, ci = d.get(key), d.get(f"{key}_ci95")
+    if v is None:
+        return "–"
+    return f"{v:.{nd}f} ± {ci:.{nd}f}" if ci is not None else _fmt(v, nd)
 
 
 def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
@@ -183,19 +240,29 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
          f"`{cfg['analyzer']}`, B = {cfg['batch_size']}, waiting_time {cfg['waiting_time']} s "
          f"({'all policies' if cfg.get('baseline_admission') else 'GMAX variants only'}), length scale "
          f"{cfg['length_scale']}, seed {cfg['seed']}, δ aged from arrival for all GMAX variants: "
-         f"{cfg.get('age_boost', False)}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", "",
-         "## Headline (targets of issue 6)", "",
-         "| RPS | GMAX / best baseline (token) | best baseline | GMAX / best baseline (request) | GMAX / oracle | "
-         "GMAX throughput / FCFS | GMAX steady-state thr. / FCFS | GMAX steady-state prompt+output thr. / FCFS | "
-         "gmax-age / best baseline | gmax-age / oracle | gmax-age thr. / FCFS |",
-         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         f"{cfg.get('age_boost', False)}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", ""]
+    n_seeds = cfg.get("seeds", 1)
+    if n_seeds > 1:
+        L += [f"Main grid repeated on {n_seeds} workload seeds ({cfg['seed']} … {cfg['seed'] + n_seeds - 1}): "
+              "values are means, `±` the 95 % t-interval half-width of the mean; ratios are taken per seed "
+              "(side by side on one workload) and then averaged. Ablation and sweeps: seed "
+              f"{cfg['seed']} only.", ""]
+    L += ["## Headline (targets of issue 6)", "",
+          "`capacity / FCFS` is the throughput target: `gmax-noadmit` (GMAX without admission control) "
+          "serves the same requests as FCFS, so the ratio of makespan throughputs is what GMAX's ordering and "
+          "preemptions cost in serving capacity. The next columns compare different work: with admission "
+          "control GMAX rejects requests FCFS serves late, and serves prompt-heavy compound calls first.", "",
+          "| RPS | GMAX / best baseline (token) | best baseline | GMAX / best baseline (request) | GMAX / oracle | "
+          "GMAX capacity / FCFS (same work) | GMAX throughput / FCFS | GMAX steady-state thr. / FCFS | "
+          "GMAX steady-state prompt+output thr. / FCFS | gmax-age / best baseline | gmax-age / oracle |",
+          "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for k, h in res["headline"].items():
-        L.append(f"| {k} | {_fmt(h.get('gmax_over_best_baseline'))} | {h.get('best_baseline', '–')} | "
-                 f"{_fmt(h.get('gmax_request_over_best_baseline'))} | {_fmt(h.get('gmax_over_oracle'))} | "
-                 f"{_fmt(h.get('gmax_throughput_over_fcfs'))} | {_fmt(h.get('gmax_window_throughput_over_fcfs'))} | "
-                 f"{_fmt(h.get('gmax_window_token_throughput_over_fcfs'))} | "
-                 f"{_fmt(h.get('gmax_age_over_best_baseline'))} | "
-                 f"{_fmt(h.get('gmax_age_over_oracle'))} | {_fmt(h.get('gmax_age_throughput_over_fcfs'))} |")
+        L.append(f"| {k} | {_fci(h, 'gmax_over_best_baseline')} | {h.get('best_baseline', '–')} | "
+                 f"{_fci(h, 'gmax_request_over_best_baseline')} | {_fci(h, 'gmax_over_oracle')} | "
+                 f"{_fci(h, 'gmax_capacity_over_fcfs')} | "
+                 f"{_fci(h, 'gmax_throughput_over_fcfs')} | {_fci(h, 'gmax_window_throughput_over_fcfs')} | "
+                 f"{_fci(h, 'gmax_window_token_throughput_over_fcfs')} | "
+                 f"{_fci(h, 'gmax_age_over_best_baseline')} | {_fci(h, 'gmax_age_over_oracle')} |")
     L += ["", "## Goodput, throughput and SLO attainment per policy and load", "",
           "| RPS | policy | token goodput (tok/s) | request goodput (req/s) | SLO att. | att. latency | att. deadline | "
           "att. compound | throughput (tok/s) | steady-state thr. (tok/s) | steady-state prompt+output (tok/s) | "
@@ -204,12 +271,13 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
     for k, runs in res["main"].items():
         for p, r in runs.items():
             pk = r["per_kind"]
-            L.append(f"| {k} | {p} | {r['token_goodput']:.0f} | {r['request_goodput']:.3f} | {r['slo_attainment']:.2f} | "
+            L.append(f"| {k} | {p} | {_fci(r, 'token_goodput', 0)} | {_fci(r, 'request_goodput', 3)} | "
+                     f"{r['slo_attainment']:.2f} | "
                      f"{_fmt(pk.get('latency', {}).get('slo_attainment'))} | "
                      f"{_fmt(pk.get('deadline', {}).get('slo_attainment'))} | "
                      f"{_fmt(pk.get('compound', {}).get('slo_attainment'))} | {r['throughput']:.0f} | "
                      f"{_fmt(r.get('throughput_window'), 0)} | {_fmt(r.get('token_throughput_window'), 0)} | "
-                     f"{r['rejected']} | {r['sim_preemptions']} | {_fmt(r.get('frame_ms_p50'))}/{_fmt(r.get('frame_ms_p99'))} |")
+                     f"{r['rejected']:.0f} | {r['sim_preemptions']:.0f} | {_fmt(r.get('frame_ms_p50'))}/{_fmt(r.get('frame_ms_p99'))} |")
     L += ["", f"## Latency per kind at {top} requests/s (P50 / P95, seconds, served requests)", "",
           "| policy | TTFT lat. | TBT lat. | E2EL deadline | TTFT deadline | E2EL compound |", "|---|---|---|---|---|---|"]
     for p, r in res["main"][top].items():
@@ -265,7 +333,8 @@ def register(bench_app: typer.Typer) -> None:
         preset: str = typer.Option("a100-llama8b", "--preset", help="cpu-demo | a100-llama8b | preset JSON file."),
         policies: str = typer.Option(DEFAULT_POLICIES, "--policies",
                                      help="Comma-separated: gmax, gmax-paper, fcfs, sarathi, edf, sjf, las, oracle, "
-                                     "gmax-noanalyzer, sjf-analyzer, gmax-age (δ aged from arrival)."),
+                                     "gmax-noanalyzer, sjf-analyzer, gmax-age (δ aged from arrival), gmax-noadmit "
+                                     "(no admission control)."),
         rps: Optional[str] = typer.Option(None, "--rps", help="Comma-separated loads (requests/s); default per preset."),
         requests: int = typer.Option(3000, "--requests", min=1, help="Requests (jobs) per load."),
         seed: int = typer.Option(0, "--seed", help="Seed of workloads and length-bound noise."),
@@ -294,6 +363,11 @@ def register(bench_app: typer.Typer) -> None:
                                                      help="Requests per sweep run (default min(requests, 1500))."),
         sweep_rps: Optional[float] = typer.Option(None, "--sweep-rps", min=0.001, help="Load of the sweeps (default: top)."),
         param: list[str] = typer.Option([], "--param", help="GMAX parameter NAME=VALUE (repeatable)."),
+        seeds: int = typer.Option(1, "--seeds", min=1, help="Repeat the policy × load grid on this many workload seeds "
+                                  "(seed, seed+1, …); reports means with 95 % intervals (JITServe §6.1 averages 5)."),
+        capacity: bool = typer.Option(True, "--capacity/--no-capacity",
+                                      help="Also run gmax-noadmit (GMAX without admission control) to measure "
+                                      "GMAX's serving capacity on the same work as FCFS (the throughput target)."),
         quick: bool = typer.Option(False, "--quick", help="Small run (< 2 min): 150 requests, 3 loads, short sweeps."),
     ) -> None:
         """Simulate GMAX and the baselines on the mixed workload; write results and plots (issue 6 §3)."""
@@ -340,10 +414,12 @@ def register(bench_app: typer.Typer) -> None:
             t_list = [0.8, 1.0, 1.5] if tightness_list.strip() else []
             mix_list = ["1:1:1", "1:0:0", "0:0:1"] if mix_list else []
             sweep_requests = sweep_requests or 90
+        if capacity and "gmax" in pols and "fcfs" in pols and "gmax-noadmit" not in pols:
+            pols.append("gmax-noadmit")
         sw_n = sweep_requests or min(requests, 1500)
         data_dir = resolve_data(data)
         gparams = _parse_params(param)
-        ticks = count_runs(pols, rps_list, ablation, t_list, mix_list)
+        ticks = count_runs(pols, rps_list, ablation, t_list, mix_list, seeds)
         cols = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                 TimeElapsedColumn())
         try:
@@ -351,7 +427,7 @@ def register(bench_app: typer.Typer) -> None:
                 prog.add_task("simulating", total=ticks)
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
-                                    mix_list, sw_n, sweep_rps, gparams, prog, baseline_admission, age_boost)
+                                    mix_list, sw_n, sweep_rps, gparams, prog, baseline_admission, age_boost, seeds)
         except (WorkloadError, ValueError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
@@ -362,6 +438,7 @@ def register(bench_app: typer.Typer) -> None:
         h = res["headline"][top]
         con.print(f"[bold]{model.name}[/bold] at {top} req/s: GMAX/best baseline ({h.get('best_baseline')}) "
                   f"{_fmt(h.get('gmax_over_best_baseline'))}×, GMAX/oracle {_fmt(h.get('gmax_over_oracle'))}, "
+                  f"capacity vs FCFS (same work) {_fmt(h.get('gmax_capacity_over_fcfs'))}, "
                   f"throughput vs FCFS {_fmt(h.get('gmax_throughput_over_fcfs'))} (steady state "
                   f"{_fmt(h.get('gmax_window_throughput_over_fcfs'))}, prompt+output "
                   f"{_fmt(h.get('gmax_window_token_throughput_over_fcfs'))}); wall {res['wall_s']:.0f} s")

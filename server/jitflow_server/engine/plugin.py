@@ -127,6 +127,12 @@ class JitflowScheduler(Scheduler):
         self._plan_preempt: list[str] = []
         self._last_plan: tuple[float, list[RequestView], Any] | None = None
         self._t_sched_end: float | None = None
+        #: Engine step log for step-time model fits and fidelity (``jitflow_rpc("steps")``, bounded):
+        #: ``(unix s, period s, forward s, n_decode, prefill tokens, Σ context of decodes, cv of contexts)``;
+        #: period = time since the previous step reached the same point (None after an idle engine).
+        self.step_log: deque[tuple] = deque(maxlen=50_000)
+        self._t_prev_update: float | None = None
+        self._busy_after_update = False
         #: Recent request lifecycle events ``(unix s, event, request id, detail)``, newest last
         #: (``jitflow_rpc("events")``; diagnostics, bounded).
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
@@ -180,13 +186,25 @@ class JitflowScheduler(Scheduler):
         if self._t_sched_end is not None:
             n_dec = 0
             pre = 0
+            ctx_dec = 0
+            ctxs = []
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 r = self.requests.get(rid)
                 if r is not None and n == 1 and r.num_computed_tokens >= r.num_prompt_tokens:
                     n_dec += 1
+                    ctx_dec += r.num_computed_tokens
                 else:
                     pre += n
-            self.tracker.record(now - self._t_sched_end, n_dec, pre)
+                if r is not None:
+                    ctxs.append(r.num_computed_tokens + n)
+            fwd = now - self._t_sched_end
+            self.tracker.record(fwd, n_dec, pre)
+            period = (now - self._t_prev_update) if (self._t_prev_update is not None
+                                                     and self._busy_after_update) else None
+            mean = sum(ctxs) / len(ctxs) if ctxs else 0.0
+            cv = (math.sqrt(sum((c - mean) ** 2 for c in ctxs) / len(ctxs)) / mean) if len(ctxs) > 1 and mean else 0.0
+            self.step_log.append((now, period, fwd, n_dec, pre, ctx_dec, cv))
+        self._t_prev_update = now
         before = {rid: self.requests[rid].num_output_tokens for rid in scheduler_output.num_scheduled_tokens
                   if rid in self.requests}
         out = super().update_from_output(scheduler_output, model_runner_output)
@@ -206,6 +224,7 @@ class JitflowScheduler(Scheduler):
                 self._event("finish", rid, f"{r.status.name if r is not None else 'gone'} out={n1}")
                 self._forget(rid)
                 self._dirty = True
+        self._busy_after_update = bool(self.running or self.waiting)
         return out
 
     # -------------------------------------------------------------- schedule
@@ -353,7 +372,8 @@ class JitflowScheduler(Scheduler):
 
         Methods: ``stats``; ``events`` (recent request lifecycle events, oldest first: ``[[unix s, event,
         request id, detail], ...]``, events add/first_sched/preempt/finish/reject); ``plan`` (the last
-        scheduling decision, see :meth:`_plan_dump`); ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
+        scheduling decision, see :meth:`_plan_dump`); ``steps`` (``{"since": unix s}`` -> the step log
+        entries after ``since``, see ``step_log``); ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
         "finished": [[jf_id, goodput], ...]}``); ``reject_waiting`` (``{"ids": [jf_id...]}`` -> ids that
         had never been scheduled and are now removed); ``set_policy`` (``{"name", "params", "batch_size"}``).
         Raises ``ValueError`` for an unknown method or bad policy.
@@ -365,6 +385,9 @@ class JitflowScheduler(Scheduler):
             return [list(e) for e in self.events]
         if method == "plan":
             return self._plan_dump()
+        if method == "steps":
+            since = float(p.get("since") or 0.0)
+            return [list(e) for e in self.step_log if e[0] > since]
         if method == "update":
             for jf, b in (p.get("len_bound") or {}).items():
                 rid = self.by_jf.get(jf)

@@ -46,8 +46,10 @@ def make_policy(name: str, **params: Any) -> Policy:
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.
 
     ``params`` are :class:`GMAXParams` fields for the GMAX family, and ``best_effort_deadline``,
-    ``delta_steps``, ``default_ttft``, ``default_tbt`` for the baselines. Raises ``ValueError``
-    naming the valid names/parameters for an unknown name or parameter.
+    ``delta_steps``, ``default_ttft``, ``default_tbt`` for the baselines (``las`` also takes
+    ``quantum``, ``levels``, ``ratio``, ``starvation_ratio``, ``mlfq``: see :class:`LASPolicy`).
+    Raises ``ValueError`` naming the valid names/parameters for an unknown name or parameter, or
+    for an invalid value.
     """
     key = name.strip().lower()
     if key in ("gmax", "gmax-paper", "oracle"):
@@ -69,6 +71,7 @@ def make_policy(name: str, **params: Any) -> Policy:
         raise ValueError(
             f"invalid parameter for policy {key!r} ({exc}); valid: best_effort_deadline, delta_steps, "
             "default_ttft, default_tbt, full_priorities"
+            + (", quantum, levels, ratio, starvation_ratio, mlfq" if key == "las" else "")
         ) from None
 
 
