@@ -174,6 +174,9 @@ def test_health_and_engine_stats(server_url):
     assert httpx.get(server_url + "/health").json()["status"] == "ok"
     st = httpx.get(server_url + "/v1/jitflow/engine").json()
     assert st["policy"] in ("gmax", "fcfs", "edf", "sjf", "las")
+    from jitflow_server.engine.vllm_engine import engine_dtype
+
+    assert st["dtype"] == engine_dtype()  # the engine runs the dtype `auto` picks for this machine
     r = httpx.post(server_url + "/v1/jitflow/policy", json={"name": "nope"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
     r = httpx.post(server_url + "/v1/jitflow/policy", json={"name": "gmax", "params": {"bogus": 1}})

@@ -291,6 +291,7 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         st = await eng.rpc("stats")
         st["frontend_unfinished"] = eng.num_unfinished_frontend()
         st["server_in_flight"] = state.in_flight
+        st["dtype"] = getattr(eng, "dtype", None)
         if state.length is not None:
             st["length_predictor"] = {"model": state.length.predictor is not None, **state.length.stats}
         return st

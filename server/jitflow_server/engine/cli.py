@@ -80,7 +80,10 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
                                         "delta_steps=50, p=0.95, starvation_delta=0.02, fairness=0."),
         batch_size: int = typer.Option(32, help="B: requests run per engine step."),
         max_model_len: int = typer.Option(8192, help="Context length (tokens)."),
-        kv_cache_gib: float = typer.Option(2.0, help="KV cache size (GiB)."),
+        kv_cache_gib: Optional[float] = typer.Option(None, help="KV cache size (GiB; default 131,072 tokens: "
+                                                     "2 GiB in bf16, 4 GiB in float32)."),
+        dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on a GPU or a CPU with native bf16, "
+                                  "else float32) | bfloat16 | float32 | float16; env JITFLOW_DTYPE."),
         waiting_time: float = typer.Option(5.0, help="Default admission waiting_time (s) for SLO requests."),
         history_db: Optional[Path] = typer.Option(None, help="Pattern-graph history DB (default: "
                                                   "$JITFLOW_HISTORY_DB or ~/.cache/jitflow/history.sqlite)."),
@@ -101,8 +104,11 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
 
         from jitflow_server.api.app import ServerSettings, create_app
         from jitflow_server.engine.demo_model import resolve_model
-        from jitflow_server.engine.vllm_engine import EngineConfig
+        from jitflow_server.engine.vllm_engine import DTYPES, EngineConfig
         from jitflow_server.scheduler import POLICY_NAMES, make_policy
+
+        if dtype not in DTYPES:
+            raise typer.BadParameter(f"choose one of {list(DTYPES)}", param_hint="--dtype")
 
         if engine != "vllm":
             raise typer.BadParameter("only the embedded 'vllm' engine is supported", param_hint="--engine")
@@ -126,7 +132,8 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
             os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
         name = served_name or (model if model in VARIANTS else path.name)
         cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
-                           batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
+                           batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                           dtype=dtype)
         typer.echo(f"jitflow: starting vLLM on {path} (policy {policy}); listening on http://{host}:{port}",
                    err=True)
         uvicorn.run(create_app(cfg, ServerSettings(default_waiting_time=waiting_time,
@@ -153,7 +160,7 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
         import sys
 
         from jitflow_server.engine.demo_model import resolve_model
-        from jitflow_server.engine.vllm_engine import PLUGIN_CLS
+        from jitflow_server.engine.vllm_engine import PLUGIN_CLS, engine_dtype, kv_cache_gib_for
         from jitflow_server.scheduler import POLICY_NAMES
 
         if policy not in POLICY_NAMES:
@@ -163,10 +170,11 @@ def register(app: typer.Typer, model_app: typer.Typer) -> None:
         except FileNotFoundError as exc:
             raise typer.BadParameter(str(exc), param_hint="--model") from None
         extra = {"jitflow": {"policy": policy, "params": _parse_params(param), "batch_size": batch_size}}
+        dtype = engine_dtype()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                "--served-model-name", model if model in VARIANTS else path.name, "--host", host, "--port", str(port),
                "--scheduler-cls", PLUGIN_CLS, "--additional-config", json.dumps(extra), "--enforce-eager",
-               "--max-num-seqs", str(2 * batch_size), "--dtype", "bfloat16", *ctx.args]
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+               "--max-num-seqs", str(2 * batch_size), "--dtype", dtype, *ctx.args]
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(round(kv_cache_gib_for(dtype, None))))
         typer.echo("jitflow: " + " ".join(cmd), err=True)
         os.execv(sys.executable, cmd)

@@ -272,12 +272,15 @@ def measure_step_times(variant: str = "demo", batches: tuple[int, ...] = (1, 8, 
     import time as _time
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from jitflow_server.engine.vllm_engine import engine_dtype, kv_cache_gib_for
+
+    dtype = engine_dtype()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(round(kv_cache_gib_for(dtype, None))))
     from vllm import LLM, SamplingParams
 
     path = build_demo_model(variant)
     t0 = _time.time()
-    llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=4096, max_num_seqs=max(batches),
+    llm = LLM(model=str(path), dtype=dtype, enforce_eager=True, max_model_len=4096, max_num_seqs=max(batches),
               max_num_batched_tokens=4096, seed=0)
     startup = _time.time() - t0
     engine = llm.llm_engine
