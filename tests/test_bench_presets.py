@@ -11,7 +11,7 @@ from jitflow_server.bench.presets import PRESETS, PresetError, StepModel, load_p
 
 
 def test_builtin_presets_load_and_are_sane():
-    for name in ("cpu-demo", "a100-llama8b"):
+    for name in ("cpu-demo", "cpu-demo-avx512", "a100-llama8b"):
         m = load_preset(name)
         assert m.name == name
         assert m.decode_token_time(32) > m.decode_token_time(1) > 0

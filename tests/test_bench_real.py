@@ -63,3 +63,71 @@ def test_replays_use_their_own_task_ids():
     # the same job replayed under two policies must not share engine-side task state (LAS)
     assert task_key("run1", "j25") != task_key("run2", "j25")
     assert task_key("run1", "j25").endswith("j25")
+
+
+def test_fidelity_real_from_replays_the_same_workload_analyzer_and_reports_a_band(tmp_path):
+    """`bench fidelity --real-from` rebuilds the saved run's workload and gives the simulated analyzer the
+    time model the real run's analyzer used; when the "real" side is itself this simulation, the
+    difference is exactly zero, and the step-time band brackets the nominal result."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from jitflow_server.bench.presets import PresetError, load_preset
+    from jitflow_server.bench.runner import RunSettings, run_sim_one
+    from jitflow_server.bench.workload import DataSources, make_workload
+    from jitflow_server.cli import app
+
+    engine_model = load_preset("cpu-demo")
+    analyzer_tm = engine_model.scaled(3.0).with_overrides(name="analyzer-tm")
+    ds = DataSources.load(tmp_path)  # no traces here: built-in length distributions
+    jobs = make_workload(60, 3.0, data=ds, seed=0, length_scale=0.0625, max_context=8000, tightness=2.0)
+    st = RunSettings(batch_size=32, waiting_time=5.0, baseline_admission=True, baseline_delta=50,
+                     length_scale=0.0625, seed=0, analyzer_model=analyzer_tm)
+    real = run_sim_one(jobs, engine_model, "gmax", st, ds, {}, refine_bounds=False)
+    saved = {"config": {"model": "demo", "policies": ["gmax"], "duration": 20.0, "rps": 3.0, "requests": 60,
+                        "batch_size": 32, "length_scale": 0.0625, "waiting_time": 5.0, "tightness": 2.0, "seed": 0,
+                        "analyzer_preset": analyzer_tm.to_dict()},
+             "policies": {"gmax": {"metrics": real}}}
+    src = tmp_path / "engine" / "results.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(saved, default=float))
+    # the engine's step log: every step took 0.8x what the preset predicts (a faster machine that day)
+    import numpy as np
+
+    from jitflow_server.bench.stepfit import STEP_FIELDS, predict
+
+    rng = np.random.default_rng(0)
+    rows = np.column_stack([np.arange(200.0), np.zeros(200), np.zeros(200), rng.integers(1, 33, 200),
+                            rng.integers(0, 600, 200), rng.integers(100, 9000, 200), rng.uniform(0, 1, 200)])
+    rows[:, 1] = rows[:, 2] = 0.8 * predict(engine_model, rows)
+    (src.parent / "steps.json").write_text(json.dumps({"fields": list(STEP_FIELDS), "policies": {"gmax": rows.tolist()}}))
+    out = tmp_path / "fid"
+    r = CliRunner().invoke(app, ["bench", "fidelity", "--real-from", str(src), "--data", str(tmp_path),
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "fidelity.json").read_text())
+    assert res["config"]["analyzer_preset"]["name"] == "analyzer-tm"
+    assert res["diff"]["gmax"]["token_goodput_rel_diff"] == pytest.approx(0.0, abs=1e-12)
+    b = res["band"]["gmax"]
+    assert b["scales"] == [0.95, 1.05] and b["token_goodput_inside"] and b["request_goodput_inside"]
+    assert b["token_goodput"][0] <= res["sim"]["gmax"]["token_goodput"] <= b["token_goodput"][1]
+    assert "Sensitivity" in (out / "fidelity.md").read_text()
+    assert res["step_model"]["gmax"]["time_ratio"] == pytest.approx(1.25)
+    cal = res["calibrated"]["gmax"]
+    direct = run_sim_one(jobs, engine_model.scaled(0.8), "gmax", st, ds, {}, refine_bounds=False)
+    assert cal["scale"] == pytest.approx(0.8) and cal["token_goodput"] == pytest.approx(direct["token_goodput"])
+    assert "Calibrated" in (out / "fidelity.md").read_text()
+    # --analyzer-preset overrides the recorded model: the engine's own preset gives GMAX other estimates
+    other = CliRunner().invoke(app, ["bench", "fidelity", "--real-from", str(src), "--data", str(tmp_path),
+                                     "--analyzer-preset", "cpu-demo", "--band", "0", "--out", str(tmp_path / "o")])
+    assert other.exit_code == 0, other.output
+    res2 = json.loads((tmp_path / "o" / "fidelity.json").read_text())
+    assert res2["config"]["analyzer_preset"]["name"] == "cpu-demo" and "band" not in res2
+    assert res2["diff"]["gmax"]["token_goodput_rel_diff"] != pytest.approx(0.0, abs=1e-6)
+    bad = CliRunner().invoke(app, ["bench", "fidelity", "--real-from", str(src), "--data", str(tmp_path),
+                                   "--analyzer-preset", "no-such-preset", "--out", str(tmp_path / "x")])
+    flat = " ".join(bad.output.replace("│", " ").split())
+    assert bad.exit_code == 2 and "--analyzer-preset" in flat
+    with pytest.raises(PresetError):
+        engine_model.scaled(0.0)

