@@ -144,16 +144,17 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens")
     probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
 
-    def admitted(kv: int, prefill_rate: float, apc: bool, block: int | None) -> bool:
+    def admitted(kv: int, prefill_rate: float, apc: bool, block: int | None, **extra) -> bool:
         hogs = [RequestView(f"be{i}", Kind.BEST_EFFORT, 0.0, 20, kv - 20, 3000, True, kv_tokens=kv) for i in range(2)]
         c = SchedContext(now=1.0, batch_size=2, token_time=0.005, prefill_rate=prefill_rate,
                          kv_capacity_tokens=10**6, prefix_caching=apc, kv_block_size=block)
-        return "d" in GMAXPolicy(**kw).schedule([*hogs, probe], c).batch
+        return "d" in GMAXPolicy(**kw, **extra).schedule([*hogs, probe], c).batch
 
     # short running requests: without the block size the cache made displacing them look cheap
     assert not admitted(100, 500.0, apc=False, block=None)
     assert admitted(100, 500.0, apc=True, block=None)
     assert not admitted(100, 500.0, apc=True, block=128)
+    assert admitted(100, 500.0, apc=True, block=128, block_pricing=False)  # the session-4 rule, on request
     # long ones keep most of the discount: only their 112-token tail is charged in full
     assert not admitted(1520, 5000.0, apc=False, block=None)
     assert admitted(1520, 5000.0, apc=True, block=128)

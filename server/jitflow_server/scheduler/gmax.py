@@ -124,6 +124,9 @@ class GMAXParams:
       Without that, short requests on 128-token blocks were priced almost free to displace and GMAX
       thrashed under sustained overload on the slow CPU preset (session 6: 771 preemptions restoring
       29,600 tokens, token goodput −35 % at 2 req/s).
+    - ``block_pricing`` [True]: the whole-block rule above; False discounts all of the KV (session 4).
+      Measured side by side (docs/scheduling.md "Whole-block pricing"): True wins under sustained
+      overload and on the A100 preset, False on short bursts and on the AVX-512 CPU preset.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -156,6 +159,7 @@ class GMAXParams:
     window: str = "protected"
     overrun: float = 1.0
     evict_frames: float = 10.0
+    block_pricing: bool = True
     use_true_len: bool = False
     full_priorities: bool = False
     starvation_clock: str = "waiting"
@@ -656,7 +660,8 @@ class GMAXPolicy:
                 break
             a = admitted[0]
             paused = fits and prm.free_pause and int(d) not in must_free
-            stall = 0.0 if paused else _recompute_tokens(float(snap.kv_tokens[d]), evict_risk, ctx.kv_block_size) / rate
+            block = ctx.kv_block_size if prm.block_pricing else None
+            stall = 0.0 if paused else _recompute_tokens(float(snap.kv_tokens[d]), evict_risk, block) / rate
             gain = (prio[a] - prio[d]) * frame_s
             loss = stall * (batch_rate - grate[a] if by_goodput else speed)
             if gain > loss and prio[a] > (1.0 + prm.preempt_margin) * prio[d]:
