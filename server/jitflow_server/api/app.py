@@ -36,6 +36,7 @@ from jitflow_server.api.tracing import setup_tracing_from_env, tracer
 from jitflow_server.engine.vllm_engine import EngineConfig, VLLMEngine
 from jitflow_server.tracker.goodput import SLOSpec
 from jitflow_server.tracker.metrics import RequestTiming, ServerMetrics
+from jitflow_server.tracker.steps import STEP_FIELDS
 
 logger = logging.getLogger("jitflow.api")
 
@@ -330,8 +331,7 @@ def create_app(engine: VLLMEngine | EngineConfig, settings: ServerSettings | Non
         if not math.isfinite(t):
             raise APIError(400, "since must be finite", param="since")
         steps = await eng.rpc("steps", {"since": t})
-        return {"fields": ["t", "period_s", "forward_s", "n_decode", "prefill_tokens", "ctx_decode_tokens",
-                           "ctx_cv"], "steps": steps}
+        return {"fields": list(STEP_FIELDS), "steps": steps}
 
     @app.get("/v1/jitflow/engine/plan")
     async def engine_plan():

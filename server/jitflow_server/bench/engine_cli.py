@@ -117,7 +117,7 @@ def write_steps(runs: dict, path: Path) -> None:
     """Save the engine step logs of ``runs`` (``{policy: {"steps": [...]}}``) as ``{"fields": [...],
     "policies": {policy: [[t, period_s, forward_s, n_decode, prefill_tokens, ctx_decode_tokens, ctx_cv]]}}``
     (read by ``jitflow bench fit-steps`` and the fidelity report)."""
-    from jitflow_server.bench.stepfit import STEP_FIELDS
+    from jitflow_server.tracker.steps import STEP_FIELDS
 
     path.write_text(json.dumps({"fields": list(STEP_FIELDS),
                                 "policies": {p: r.get("steps") or [] for p, r in runs.items()}}))
@@ -347,7 +347,7 @@ def register(bench_app: typer.Typer) -> None:
         an: dict = {}
         for p in pols:
             sim[p] = run_sim_one(jobs, pm, p, st, ds, an, refine_bounds=False)
-        bands = fidelity_band(jobs, pm, pols, st, ds, an, band, real_metrics) if band > 0 else {}
+        bands = fidelity_band(jobs, pm, pols, st, ds, an, band, real_metrics, sim) if band > 0 else {}
         res = {"config": {"model": model, "preset": pm.to_dict(), "analyzer_preset": analyzer_model.to_dict(),
                           "policies": pols, "duration": duration, "rps": rps,
                           "requests": len(jobs), "batch_size": batch_size, "length_scale": length_scale,
@@ -377,7 +377,8 @@ def register(bench_app: typer.Typer) -> None:
         con.print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.md'}")
 
 
-def fidelity_band(jobs: list, pm, pols: list[str], st, ds, analyzers: dict, band: float, real: dict) -> dict:
+def fidelity_band(jobs: list, pm, pols: list[str], st, ds, analyzers: dict, band: float, real: dict,
+                  nominal: dict) -> dict:
     """Sensitivity of the simulated result to the step-time model (issue 6 §4).
 
     Re-runs each policy with every step time scaled by ``1 − band``, ``1 − band/2``, ``1 + band/2``
@@ -386,16 +387,17 @@ def fidelity_band(jobs: list, pm, pols: list[str], st, ds, analyzers: dict, band
     hundred requests a few tasks crossing their deadline move it by 10 % or more; a real value inside
     the band is within what a step-model error of ``band`` explains.
 
+    ``nominal`` holds the unscaled runs (``{policy: metrics}``), which join the range.
     Returns ``{policy: {"scales": [..], "token_goodput": [min, max], "request_goodput": [min, max],
-    "token_goodput_inside": bool, "request_goodput_inside": bool}}`` (the nominal run included in
-    the range).
+    "token_goodput_inside": bool, "request_goodput_inside": bool}}``.
     """
     from jitflow_server.bench.runner import run_sim_one
 
-    scales = [1 - band, 1 - band / 2, 1.0, 1 + band / 2, 1 + band]
+    scales = [1 - band, 1 - band / 2, 1 + band / 2, 1 + band]
     out = {}
     for p in pols:
-        runs = [run_sim_one(jobs, pm.scaled(f), p, st, ds, analyzers, refine_bounds=False) for f in scales]
+        runs = [nominal[p]] + [run_sim_one(jobs, pm.scaled(f), p, st, ds, analyzers, refine_bounds=False)
+                               for f in scales]
         b: dict = {"scales": [scales[0], scales[-1]]}
         for k in ("token_goodput", "request_goodput"):
             vals = [r[k] for r in runs]
@@ -493,12 +495,11 @@ def _fidelity_md(res: dict, command: str) -> str:
               "scheduling dynamics, not its step-time model.", "",
               "| policy | scale | token goodput real | sim (calibrated) | diff | request goodput real | "
               "sim (calibrated) | diff |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        def pct(x):
+            return "–" if x is None else f"{x:+.1%}"
+
         for p, c in res["calibrated"].items():
             r = res["real"][p]
-
-            def pct(x):
-                return "–" if x is None else f"{x:+.1%}"
-
             L.append(f"| {p} | ×{c['scale']:.3f} | {r['token_goodput']:.1f} | {c['token_goodput']:.1f} | "
                      f"{pct(c['token_goodput_rel_diff'])} | {r['request_goodput']:.3f} | {c['request_goodput']:.3f} | "
                      f"{pct(c['request_goodput_rel_diff'])} |")

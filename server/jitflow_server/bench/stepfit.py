@@ -26,8 +26,7 @@ import numpy as np
 import typer
 
 from jitflow_server.bench.presets import PresetError, StepModel
-
-STEP_FIELDS = ("t", "period_s", "forward_s", "n_decode", "prefill_tokens", "ctx_decode_tokens", "ctx_cv")
+from jitflow_server.tracker.steps import STEP_FIELDS
 
 
 def load_steps(path: Path) -> dict[str, np.ndarray]:
@@ -54,8 +53,7 @@ def _busy(a: np.ndarray) -> np.ndarray:
 def predict(model: StepModel, a: np.ndarray) -> np.ndarray:
     """Predicted step time (s) of every row of a step-log array: ``raw_time(n_decode, prefill,
     Σctx) · (1 + hetero·cv)`` (the simulator's formula, :meth:`StepModel.step_time`)."""
-    raw = model.base_s + model.per_decode_s * a[:, 3] + model.per_prefill_token_s * a[:, 4] + model.per_ctx_token_s * a[:, 5]
-    return raw * (1.0 + model.hetero * a[:, 6])
+    return model.raw_time(a[:, 3], a[:, 4], a[:, 5]) * (1.0 + model.hetero * a[:, 6])
 
 
 def check_step_model(model: StepModel, a: np.ndarray) -> dict:

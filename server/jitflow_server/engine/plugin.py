@@ -128,8 +128,8 @@ class JitflowScheduler(Scheduler):
         self._last_plan: tuple[float, list[RequestView], Any] | None = None
         self._t_sched_end: float | None = None
         #: Engine step log for step-time model fits and fidelity (``jitflow_rpc("steps")``, bounded):
-        #: ``(unix s, period s, forward s, n_decode, prefill tokens, Σ context of decodes, cv of contexts)``;
-        #: period = time since the previous step reached the same point (None after an idle engine).
+        #: one tuple per step with the columns of ``tracker.steps.STEP_FIELDS``; period = time since the
+        #: previous step reached the same point (None after an idle engine).
         self.step_log: deque[tuple] = deque(maxlen=50_000)
         self._t_prev_update: float | None = None
         self._busy_after_update = False

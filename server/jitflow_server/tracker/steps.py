@@ -13,6 +13,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+#: Columns of one entry of the engine's step log (``JitflowScheduler.step_log``,
+#: ``GET /v1/jitflow/engine/steps``, ``steps.json``): unix time (s), period since the previous step
+#: (s; None after idle), model execution (s), decoding requests, prefill tokens, summed context of
+#: the decodes (tokens), coefficient of variation of the batch's context lengths.
+STEP_FIELDS = ("t", "period_s", "forward_s", "n_decode", "prefill_tokens", "ctx_decode_tokens", "ctx_cv")
+
 
 @dataclass(frozen=True)
 class StepSample:
