@@ -220,7 +220,7 @@ class TaskReport:
     @property
     def tokens(self) -> int:
         """All input + output tokens of all LLM calls (tokens): the task's goodput if it met its
-        deadline (DESIGN.md §3, compound)."""
+        deadline (JITServe §3, compound)."""
         return sum(s.input_tokens + s.output_tokens for s in self.stages)
 
     @property

@@ -5,7 +5,7 @@ second) starves the other threads of the pytest process of the GIL. Measured on 
 machine: while two such threads streamed, building an ``httpx.Client`` in the main thread took
 5–8 s and a second streaming thread did not send its request until the first stream ended, while
 ``curl`` from another process got answers from the same server in milliseconds. The engine
-tests then saw "the long requests are not in the engine together" (issue 3). In a child process
+tests then saw "the long requests are not in the engine together". In a child process
 the stream is read without touching the test process.
 
 Run as a script: ``python longstream.py URL BODY_JSON``; it prints JSON lines on stdout:

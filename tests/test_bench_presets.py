@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from jitflow_server.bench.presets import PRESETS, PresetError, StepModel, load_preset
+from jitflow_server.bench.presets import PRESETS, load_preset
+from jitflow_server.engine.step_model import PresetError, StepModel
 
 
 def test_builtin_presets_load_and_are_sane():

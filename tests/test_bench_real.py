@@ -73,17 +73,19 @@ def test_fidelity_real_from_replays_the_same_workload_analyzer_and_reports_a_ban
 
     from typer.testing import CliRunner
 
-    from jitflow_server.bench.presets import PresetError, load_preset
+    from jitflow_server.bench.presets import load_preset
     from jitflow_server.bench.runner import RunSettings, run_sim_one
     from jitflow_server.bench.workload import DataSources, make_workload
     from jitflow_server.cli import app
+    from jitflow_server.engine.step_model import PresetError
 
     engine_model = load_preset("cpu-demo")
     analyzer_tm = engine_model.scaled(3.0).with_overrides(name="analyzer-tm")
     ds = DataSources.load(tmp_path)  # no traces here: built-in length distributions
     jobs = make_workload(60, 3.0, data=ds, seed=0, length_scale=0.0625, max_context=8000, tightness=2.0)
+    # exact length bounds: the real side's ignore_eos requests give the server their exact lengths
     st = RunSettings(batch_size=32, waiting_time=5.0, baseline_admission=True, baseline_delta=50,
-                     length_scale=0.0625, seed=0, analyzer_model=analyzer_tm)
+                     length_scale=0.0625, seed=0, analyzer_model=analyzer_tm, length_bound="oracle")
     real = run_sim_one(jobs, engine_model, "gmax", st, ds, {}, refine_bounds=False)
     saved = {"config": {"model": "demo", "policies": ["gmax"], "duration": 20.0, "rps": 3.0, "requests": 60,
                         "batch_size": 32, "length_scale": 0.0625, "waiting_time": 5.0, "tightness": 2.0, "seed": 0,

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from jitflow_server.bench.presets import CPU_DEMO, PresetError
+from jitflow_server.bench.presets import CPU_DEMO
 from jitflow_server.bench.stepfit import check_step_model, fit_step_model, load_steps, predict
 from jitflow_server.cli import app
+from jitflow_server.engine.step_model import PresetError
 
 TRUE = CPU_DEMO.with_overrides(base_s=0.011, per_decode_s=0.0006, per_prefill_token_s=0.0005,
                                per_ctx_token_s=2e-6, hetero=0.05)

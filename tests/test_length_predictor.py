@@ -1,4 +1,4 @@
-"""Tests of the QRF length upper bound (jitflow issue 8; JITServe §4.1)."""
+"""Tests of the QRF length upper bound (JITServe §4.1)."""
 
 from __future__ import annotations
 

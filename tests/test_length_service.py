@@ -1,4 +1,4 @@
-"""Tests of the asynchronous length-bound service (jitflow issue 8 §2)."""
+"""Tests of the asynchronous length-bound service."""
 
 from __future__ import annotations
 

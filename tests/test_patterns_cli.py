@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from jitflow_server.analyzer.patterns import PatternGraph, read_jsonl
 from jitflow_server.cli import app
+from jitflow_server.store.graph import PatternGraph, read_jsonl
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEEPRESEARCH = DATA / "deepresearch" / "deepresearch_training.json"

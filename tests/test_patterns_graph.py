@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jitflow_server.analyzer.patterns import (
-    CallNode,
-    PatternFormatError,
-    PatternGraph,
-    deepresearch_stage_names,
-    load_deepresearch,
-    read_jsonl,
-    write_jsonl,
-)
+from jitflow_server.analyzer.patterns import deepresearch_stage_names, load_deepresearch
+from jitflow_server.store.graph import CallNode, PatternFormatError, PatternGraph, read_jsonl, write_jsonl
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEEPRESEARCH = DATA / "deepresearch" / "deepresearch_training.json"

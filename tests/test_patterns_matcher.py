@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jitflow_server.analyzer.clustering import cluster_history
 from jitflow_server.analyzer.matcher import KernelParams, Matcher, pack_graphs, pairwise_distances, similarity
-from jitflow_server.analyzer.patterns import CallNode, PatternGraph
+from jitflow_server.store.graph import CallNode, PatternGraph
 from jitflow_server.store.history import HistoryStore
 
 
@@ -102,7 +103,7 @@ def test_cluster_search_agrees_with_exhaustive_on_exact_copies(tmp_path):
     hist = random_history(rng, 150)
     with HistoryStore(tmp_path / "h.sqlite") as st:
         st.insert_many(hist)
-        res = st.cluster("app", k=8)
+        res = cluster_history(st, "app", k=8)
         assert res["app"].k == 8
         m = Matcher(st, strategy="cluster", bump=False)
         for i in (2, 50, 120):

@@ -6,8 +6,9 @@ import sqlite3
 
 import pytest
 
+from jitflow_server.analyzer.clustering import cluster_history
 from jitflow_server.analyzer.matcher import Matcher
-from jitflow_server.analyzer.patterns import PatternGraph
+from jitflow_server.store.graph import PatternGraph
 from jitflow_server.store.history import HistoryStore, HistoryStoreError, default_db_path
 
 
@@ -30,7 +31,7 @@ def test_store_survives_reopen_in_wal_mode(tmp_path):
     with HistoryStore(path, clock=clock) as st:
         ids = st.insert_many([g(i) for i in range(5)])
         st.bump(ids[2])
-        st.cluster("app", k=2)
+        cluster_history(st, "app", k=2)
     mode = sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
     with HistoryStore(path, clock=clock) as st:

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from jitflow_server.analyzer.matcher import Matcher
-from jitflow_server.analyzer.patterns import CallNode, PatternGraph
 from jitflow_server.analyzer.subdeadline import (
     TokenTimeModel,
     remaining_time,
@@ -18,6 +17,7 @@ from jitflow_server.analyzer.subdeadline import (
     stage_times,
     sub_deadline,
 )
+from jitflow_server.store.graph import CallNode, PatternGraph
 
 
 def random_graph(rng: np.random.Generator, n_stages: int) -> PatternGraph:

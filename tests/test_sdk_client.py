@@ -1,4 +1,4 @@
-"""SDK clients (issue 2 §5): requests on the wire, responses, streaming, typed errors.
+"""SDK clients: requests on the wire, responses, streaming, typed errors.
 
 httpx.MockTransport stands in for the server (allowed for SDK unit tests); every async test runs
 under asyncio and trio.

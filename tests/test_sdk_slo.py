@@ -1,4 +1,4 @@
-"""SLO classes (DESIGN.md §3): validation and wire serialisation."""
+"""SLO classes: validation and wire serialisation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SDK compound tasks (issue 5 §1-2): agent/task scopes, stages, parents, tools, telemetry.
+"""SDK compound tasks: agent/task scopes, stages, parents, tools, telemetry.
 
 httpx.MockTransport stands in for the server; the SDK's real task, contextvars, anyio task-group
 and telemetry code runs. Every async test runs under asyncio and trio.

@@ -1,4 +1,4 @@
-"""SDK OpenTelemetry spans (issue 5 §4): workflow -> stage -> chat / execute_tool, GenAI and
+"""SDK OpenTelemetry spans: workflow -> stage -> chat / execute_tool, GenAI and
 jitflow attributes, W3C traceparent injection. The in-memory exporter is configured here, in the
 test, on a private TracerProvider handed to the client (the library never configures one).
 """

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
-from jitflow_server.bench.presets import StepModel
-from jitflow_server.bench.workload import CallSpec, DataSources, Job, make_workload
+from jitflow_server.bench.workload import DataSources, make_workload
+from jitflow_server.engine.jobs import CallSpec, Job
 from jitflow_server.engine.sim import SimConfig, SimEngine
+from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import make_policy
 
 SMALL = StepModel(name="test", base_s=0.01, per_decode_s=0.0005, per_prefill_token_s=0.0002, per_ctx_token_s=1e-7,

@@ -1,4 +1,5 @@
-"""`jitflow vllm-serve`: vLLM's own OpenAI server with the jitflow plug-in, SLOs in ``vllm_xargs``."""
+"""`jitflow vllm-serve`: vLLM's own OpenAI server with the jitflow plug-in; a front end sends each request's
+``SchedHints`` in ``vllm_xargs`` under ``jitflow_hints``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import httpx
 import pytest
 
 from conftest import free_port, jitflow_exe, running_server
+from jitflow_server.scheduler.hints import SchedHints
 from longstream import LongStream
 
 pytestmark = pytest.mark.engine
@@ -26,7 +28,7 @@ def vllm_url(tmp_path_factory):
 
 def test_vllm_server_with_plugin_follows_gmax(vllm_url):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "story"}], "max_tokens": 4000,
-            "ignore_eos": True, "vllm_xargs": {"jf_kind": "best_effort"}}
+            "ignore_eos": True, "vllm_xargs": SchedHints(kind="best_effort").to_extra_args()}
 
     def engine_count(what: str) -> float:  # the engine's own counts, not the client's view of the streams
         lines = httpx.get(vllm_url + "/metrics").text.splitlines()
@@ -61,11 +63,10 @@ def test_vllm_server_with_plugin_follows_gmax(vllm_url):
         t1 = time.time()
         r = httpx.post(vllm_url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "quick"}], "max_tokens": 40,
-            "ignore_eos": True, "vllm_xargs": {"jf_kind": "deadline", "jf_deadline": 3.0, "jf_arrival": t1,
-                                                  # what the jitflow server sends by default: admission
-                                                  # within 5 s, so GMAX admits it at once (JIT otherwise
-                                                  # defers it until its laxity runs low)
-                                                  "jf_waiting_time": 5.0}})
+            "ignore_eos": True,
+            # what the jitflow server sends by default: admission within 5 s, so GMAX admits it at once
+            # (JIT otherwise defers it until its laxity runs low)
+            "vllm_xargs": SchedHints(kind="deadline", deadline=3.0, arrival=t1, waiting_time=5.0).to_extra_args()})
         e2el = time.time() - t1
         metrics = httpx.get(vllm_url + "/metrics").text
     finally:

@@ -1,4 +1,4 @@
-"""Service-level objectives attached to a request (JITServe §3, DESIGN.md §3).
+"""Service-level objectives attached to a request (JITServe §3).
 
 Each SLO class is a frozen pydantic model whose ``model_dump`` / :meth:`SLO.to_wire` is the
 wire ``slo`` object: ``{"kind": ..., "ttft": s, "tbt": s, "deadline": s, "waiting_time": s}``

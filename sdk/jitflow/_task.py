@@ -1,4 +1,4 @@
-"""Compound tasks: ``@jitflow.agent``, ``client.task``, stages, ``@jitflow.tool`` (issue 5 §1).
+"""Compound tasks: ``@jitflow.agent``, ``client.task``, stages, ``@jitflow.tool``.
 
 A *compound request* (JITServe §3) is a staged DAG of LLM and tool calls with one end-to-end
 deadline ``D`` (seconds from task start ``T0``). Stage order defines dependencies: a call's

@@ -1,4 +1,4 @@
-"""Non-blocking task telemetry (issue 5 §2): a bounded buffer drained by a background sender.
+"""Non-blocking task telemetry: a bounded buffer drained by a background sender.
 
 The agent only ever calls :meth:`TaskTelemetry.post` (never awaits the network). A sender task,
 started in the compound task's own anyio task group, POSTs the buffered records in order, batching

@@ -45,7 +45,7 @@ class Timing(_Base):
         tbt_max, tbt_mean: max / mean time between consecutive output tokens.
         e2el: end-to-end latency (last_token_time - arrival).
         prompt_tokens, output_tokens: token counts.
-        slo_met: whether the request met its SLO per DESIGN.md §3 (``None`` for best effort).
+        slo_met: whether the request met its SLO as defined in JITServe §3 (``None`` for best effort).
         sub_deadline: the stage sub-deadline the server computed for a compound call
             (``T0 + φ(s)·D``, JITServe §4.1), else ``None``.
         len_bound: the analyzer's output-length upper bound (tokens), else ``None``.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from jitflow_server import demo as demo_cli
+from jitflow_server import serve as serve_cli
 from jitflow_server.analyzer import cli as analyzer_cli
 from jitflow_server.bench import cli as bench_cli
 from jitflow_server.engine import cli as engine_cli
@@ -31,14 +32,26 @@ app.add_typer(patterns_app, name="patterns")
 app.add_typer(analyzer_app, name="analyzer")
 app.add_typer(bench_app, name="bench")
 
-engine_cli.register(app, model_app)
+serve_cli.register(app)
+engine_cli.register(model_app)
 analyzer_cli.register(patterns_app, analyzer_app)
 bench_cli.register(bench_app)
 demo_cli.register(app)
 
 
+def _demo_token_counter():
+    """The demo model's locally trained BPE as the analyzer's token counter (what the demo engine serves)."""
+    from jitflow_server.analyzer.length import TokenCounter
+    from jitflow_server.engine.demo_model import load_demo_tokenizer
+
+    return TokenCounter(load_demo_tokenizer(), name="jitflow-demo-bpe")
+
+
 def main() -> None:
     """Entry point of the ``jitflow`` console script."""
+    from jitflow_server.analyzer.length import set_token_counter_factory
+
+    set_token_counter_factory(_demo_token_counter)
     app()
 
 

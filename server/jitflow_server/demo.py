@@ -1,8 +1,8 @@
-"""``jitflow demo``: the main job as a real mixed-workload run (issue 7).
+"""``jitflow demo``: the main job as a real mixed-workload run.
 
 Starts ``jitflow serve`` (demo model, GMAX, ``patterns/*.jsonl`` as initial pattern history) as a
 subprocess in its own process group, waits for ``/health``, then for a bounded time drives one
-open-loop load of the three SLO kinds of JITServe §3 / DESIGN.md §3 against it:
+open-loop load of the three SLO kinds of JITServe §3 against it:
 
 * ``chat`` -- streaming chat users with a latency SLO (TTFT, TBT);
 * ``deadline`` -- non-streamed requests with an end-to-end deadline;
@@ -13,7 +13,7 @@ With ``--data DIR`` chat/deadline prompts are AlpacaEval instructions (``DIR/alp
 ``max_tokens`` from the reference answer's length) and arrivals come from the Azure LLM inference
 trace (``DIR/azure_llm_2023/*conv.csv``) rescaled to the target rate, keeping its burstiness;
 otherwise a built-in prompt set and Poisson arrivals are used. The report gives per kind the SLO
-attainment and goodput (tokens, DESIGN.md §3), per task its stages with sub-deadlines (from
+attainment and goodput (tokens, JITServe §3), per task its stages with sub-deadlines (from
 ``GET /v1/tasks/{id}``) and outcome; it is written as JSON and a PNG. ``--compare fcfs`` replays
 the same load (same prompts, arrival times, tasks) on the same server after switching the policy
 (``POST /v1/jitflow/policy``) and prints the goodput ratio (the second run's pattern history also
@@ -339,7 +339,7 @@ class ReqRecord:
     """Outcome of one chat or deadline request.
 
     ``status``: ``ok`` | ``rejected`` (admission, HTTP 429) | ``error`` | ``unfinished`` (still
-    running when the run ended). ``goodput`` in tokens (DESIGN.md §3: on-time output tokens for
+    running when the run ended). ``goodput`` in tokens (on-time output tokens for
     latency SLOs; input + output tokens when a deadline is met). Times in seconds.
     """
 

@@ -1,6 +1,6 @@
 """Output-length upper bound: a quantile regression forest with online refinement and calibration.
 
-JITServe §4.1 "Estimating Response Length Upper-bound" (thesis §4.1, DESIGN.md §4): a quantile
+JITServe §4.1 "Estimating Response Length Upper-bound" (thesis §4.1): a quantile
 regression forest (QRF, Meinshausen 2006; the ``quantile-forest`` package) predicts a high quantile
 ``q`` (default 0.9) of a request's *total* output length (tokens) from features of its prompt and of
 its serving context (app, model, stage). While the response is being generated the bound is refined:
@@ -11,7 +11,7 @@ The pieces, all usable on their own:
 
 - :class:`TokenCounter` -- the single tokenizer used for every count (prompt lengths, output lengths,
   generated prefixes). Default: the jitflow demo model's BPE tokenizer
-  (:func:`jitflow_server.engine.demo_model.load_demo_tokenizer`), else a documented regex fallback.
+  (installed by the command line, :func:`set_token_counter_factory`), else a documented regex fallback.
 - :func:`prompt_features` / :func:`prefix_features` -- data-independent feature vectors (no fitted
   vocabulary), so telemetry rows recorded by one model version can train the next.
 - :class:`LengthPredictor` -- the forest: ``fit``, ``predict``, ``save``/``load`` with a format
@@ -39,7 +39,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,25 +127,34 @@ class TokenCounter:
 
 
 _COUNTER: TokenCounter | None = None
+_COUNTER_FACTORY: Callable[[], TokenCounter] | None = None
 _COUNTER_LOCK = threading.Lock()
 
 
-def get_token_counter() -> TokenCounter:
-    """The process-wide :class:`TokenCounter`: the demo model's tokenizer when available, else regex.
+def set_token_counter_factory(factory: Callable[[], TokenCounter] | None) -> None:
+    """Install how the process-wide :class:`TokenCounter` is built (called once, lazily, on first use).
 
-    The demo tokenizer (``jitflow_server.engine.demo_model.load_demo_tokenizer``, a locally trained
-    BPE) is what the demo engine serves with, so counts here match the engine's generated-token
-    counts. If it cannot be imported or built, a regex counter is used and a warning is logged.
+    The analyzer never loads a tokenizer itself: whoever knows the served model does. The ``jitflow``
+    command line installs the demo model's locally trained BPE (the tokenizer the demo engine serves
+    with, so counts match the engine's token counts). Resets a counter already built.
     """
+    global _COUNTER, _COUNTER_FACTORY
+    with _COUNTER_LOCK:
+        _COUNTER_FACTORY = factory
+        _COUNTER = None
+
+
+def get_token_counter() -> TokenCounter:
+    """The process-wide :class:`TokenCounter`: the installed factory's (see
+    :func:`set_token_counter_factory`), else the regex fallback. A failing factory logs a warning and
+    the regex fallback is used."""
     global _COUNTER
     with _COUNTER_LOCK:
         if _COUNTER is None:
             try:
-                from jitflow_server.engine.demo_model import load_demo_tokenizer
-
-                _COUNTER = TokenCounter(load_demo_tokenizer(), name="jitflow-demo-bpe")
+                _COUNTER = _COUNTER_FACTORY() if _COUNTER_FACTORY is not None else TokenCounter(None)
             except Exception as exc:  # ImportError, or a failure while building the tokenizer
-                logger.warning("demo tokenizer unavailable (%s); counting tokens with the regex fallback", exc)
+                logger.warning("tokenizer unavailable (%s); counting tokens with the regex fallback", exc)
                 _COUNTER = TokenCounter(None)
         return _COUNTER
 

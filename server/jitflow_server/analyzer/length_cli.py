@@ -2,7 +2,7 @@
 
 ``train-length`` fits a :class:`~jitflow_server.analyzer.length.LengthPredictor` on AlpacaEval JSON
 and/or jitflow length-telemetry JSONL and saves it. ``eval-length`` reproduces the evaluation of
-jitflow issue 8 §4 (JITServe §4.1): coverage and tightness of the bound at 0/50/100/200/400 generated
+JITServe §4.1: coverage and tightness of the bound at 0/50/100/200/400 generated
 tokens, prediction latency, two baselines (global empirical q-quantile; scikit-learn
 ``GradientBoostingRegressor(loss="quantile")``) on the same instruction-disjoint split, and a
 cross-model stream without/with online calibration. Heavy imports happen inside the commands.

@@ -1,6 +1,6 @@
 """Asynchronous, batched length-bound service: keeps predictions off the scheduling path.
 
-JITServe §4.1 (refinement every 50 tokens) + DESIGN.md §4. The scheduler never waits for the
+JITServe §4.1 (refinement every 50 tokens). The scheduler never waits for the
 forest: :meth:`LengthService.submit` records the request and returns immediately (setting a cheap
 provisional bound if it has none yet), a single background worker thread drains the queue in
 batches (up to ``max_batch`` requests per forest call, latest submission per request wins) and
@@ -189,6 +189,12 @@ class LengthService:
     def latest(self, req_id: str) -> int | None:
         """Latest bound (total output tokens) for ``req_id``, or ``None`` if never submitted/already observed."""
         return self._bounds.get(req_id)
+
+    def discard(self, req_id: str) -> None:
+        """Forget ``req_id`` without learning from it (rejected, aborted or failed requests). Idempotent."""
+        with self._cv:
+            self._reqs.pop(req_id, None)
+            self._bounds.pop(req_id, None)
 
     def observe(self, req_id: str, output_len: int) -> None:
         """Report the finished request's total output length (tokens).

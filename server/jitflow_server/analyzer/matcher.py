@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jitflow_server.analyzer.patterns import PatternGraph
+from jitflow_server.store.graph import PatternGraph
 
 if TYPE_CHECKING:  # pragma: no cover
     from jitflow_server.analyzer.subdeadline import TokenTimeModel

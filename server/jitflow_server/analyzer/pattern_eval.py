@@ -38,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from jitflow_server.analyzer.clustering import cluster_history
 from jitflow_server.analyzer.matcher import Matcher
-from jitflow_server.analyzer.patterns import CallNode, PatternGraph
 from jitflow_server.analyzer.subdeadline import TokenTimeModel, share_formulations
+from jitflow_server.store.graph import CallNode, PatternGraph
 from jitflow_server.store.history import HistoryStore
 
 __all__ = ["jitter_graph", "build_history", "replay", "evaluate", "write_report", "FORMULATIONS"]
@@ -181,7 +182,7 @@ def _store_with(graphs: Sequence[PatternGraph], tmp: Path, name: str, cluster: b
     st = HistoryStore(tmp / f"{name}.sqlite", capacity=max(10, len(graphs) + 10))
     st.insert_many(graphs)
     if cluster:
-        st.cluster()
+        cluster_history(st)
     return st
 
 

@@ -31,12 +31,8 @@ def _fail(msg: str) -> None:
 
 def _load(path: Path, fmt: str, app: Optional[str]) -> list:
     """Load graphs from ``path``; ``app`` overrides/sets the app name. Errors exit with code 2."""
-    from jitflow_server.analyzer.patterns import (
-        PatternFormatError,
-        PatternGraph,
-        load_deepresearch,
-        read_jsonl,
-    )
+    from jitflow_server.analyzer.patterns import load_deepresearch
+    from jitflow_server.store.graph import PatternFormatError, PatternGraph, read_jsonl
 
     if fmt not in FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(FORMATS)}")
@@ -87,7 +83,9 @@ def register(patterns_app: typer.Typer, analyzer_app: typer.Typer) -> None:
             ids = store.insert_many(graphs)
             msg = f"imported {len(ids)} graphs for app {app!r} into {store.path} (app now has {store.count(app)})"
             if cluster:
-                res = store.cluster(app)
+                from jitflow_server.analyzer.clustering import cluster_history
+
+                res = cluster_history(store, app)
                 if app in res:
                     msg += f"; {res[app].k} K-medoids clusters"
         finally:
@@ -101,7 +99,7 @@ def register(patterns_app: typer.Typer, analyzer_app: typer.Typer) -> None:
         out: Optional[Path] = typer.Option(None, "--out", help="Output JSONL file (default: stdout)."),
     ) -> None:
         """Export an app's graphs as jitflow JSONL (one graph per line)."""
-        from jitflow_server.analyzer.patterns import write_jsonl
+        from jitflow_server.store.graph import write_jsonl
 
         store = _open_store(db)
         try:
@@ -155,7 +153,9 @@ def register(patterns_app: typer.Typer, analyzer_app: typer.Typer) -> None:
         """Re-run offline K-medoids clustering (FasterPAM) of the stored graphs."""
         store = _open_store(db)
         try:
-            res = store.cluster(app, k, seed=seed)
+            from jitflow_server.analyzer.clustering import cluster_history
+
+            res = cluster_history(store, app, k, seed=seed)
         finally:
             store.close()
         if not res:

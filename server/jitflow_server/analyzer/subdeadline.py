@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from jitflow_server.analyzer.patterns import PatternGraph
+from jitflow_server.store.graph import PatternGraph
 
 __all__ = [
     "TokenTimeModel",

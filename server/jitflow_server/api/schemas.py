@@ -69,7 +69,7 @@ class SLO(BaseModel):
 
 
 class TaskContext(BaseModel):
-    """The ``jitflow`` object: which compound task and stage a call belongs to (issue 5)."""
+    """The ``jitflow`` object: which compound task and stage a call belongs to (docs/api.md)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -121,7 +121,8 @@ class _Common(BaseModel):
     user: str | None = None
     slo: SLO | None = None
     jitflow: TaskContext | None = None
-    #: Extra jf_* scheduler metadata (vLLM's ``vllm_xargs``; flat values only).
+    #: vLLM's ``vllm_xargs`` (flat values). Keys reserved for jitflow (``jitflow_hints``, ``jf_*``,
+    #: ``jitflow*``) are rejected with 400: the server alone sets a request's scheduling hints.
     vllm_xargs: dict[str, str | int | float] | None = None
 
     @field_validator("temperature", "top_p", mode="before")

@@ -1,4 +1,4 @@
-"""Compound tasks on the server: ``/v1/tasks`` telemetry, pattern matching and sub-deadlines (issue 5).
+"""Compound tasks on the server: ``/v1/tasks`` telemetry, pattern matching and sub-deadlines.
 
 The SDK registers a task (``POST /v1/tasks``), reports stage boundaries and tool nodes
 (``POST /v1/tasks/{id}/events``) and the outcome (``POST /v1/tasks/{id}/complete``); every
@@ -6,12 +6,17 @@ LLM call of the task carries ``{"jitflow": {"task_id", "stage", "stage_index", "
 "parents"}}``. On each call the server:
 
 1. extends the task's partial pattern graph with the call (its stage is *open*),
-2. asks the matcher for the best historical pattern of the same app (JITServe §4.1),
-3. sets the stage's sub-deadline ``T0 + φ(s)·D`` with the accumulated share φ(s) =
+2. asks the :class:`~jitflow_server.analyzer.advisor.CompoundAdvisor` (the same object the
+   benchmarks and the simulator use) for the stage's advice: the best historical pattern of the
+   same app (JITServe §4.1), the sub-deadline ``T0 + φ(s)·D`` with the accumulated share φ(s) =
    t≤s / t_total of the matched graph (fallback: equal shares over the app's typical stage
-   count), plus the task's estimated tokens and remaining generation time for GMAX's
-   compound priority (DESIGN.md §5), and a length bound from the matched stage,
-4. hands all of it to the scheduler in ``SamplingParams.extra_args``.
+   count), the task's estimated tokens and remaining generation time for GMAX's compound
+   priority, and a length bound from the matched stage,
+3. returns it as a typed :class:`CallAdvice`, which the API turns into the request's
+   ``SchedHints``.
+
+``T0`` is the server's clock when the task was registered (or when its first call arrived):
+a client's ``start_time`` is another machine's clock, kept only as reported metadata.
 
 On completion the finished graph (LLM and tool nodes with times, and the outcome) goes into
 the history store; the observed lengths go to the length predictor's telemetry file.
@@ -33,7 +38,10 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
+from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, TokenTimeModel
 from jitflow_server.api.schemas import APIError
+from jitflow_server.scheduler.types import Kind, SLOSpec
 
 logger = logging.getLogger("jitflow.tasks")
 
@@ -71,6 +79,34 @@ class TaskComplete(BaseModel):
     outcome: Literal["succeeded", "failed", "deadline_missed", "cancelled"]
     end_time: float | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class CallAdvice:
+    """What the task manager tells the API about one compound call (unix s, tokens).
+
+    ``slo``: the call's SLO (kind compound, the time left until the task deadline); ``sub_deadline``:
+    the stage's absolute sub-deadline; ``task_tokens_est``/``task_rem_gen_time``: task estimates of
+    the matched graph (``None``/fallback without a match); ``len_bound``: the matched stage's length
+    bound capped at ``max_tokens`` (``None`` without a match).
+    """
+
+    slo: SLOSpec
+    app: str
+    task_id: str
+    stage_index: int
+    sub_deadline: float
+    task_tokens_est: int | None
+    task_rem_gen_time: float
+    len_bound: int | None
+
+
+def _with_client_start(body: TaskCreate) -> dict[str, Any]:
+    """The task's metadata plus the client's reported ``start_time`` (another clock: reported only)."""
+    meta = dict(body.metadata)
+    if body.start_time is not None:
+        meta.setdefault("client_start_time", body.start_time)
+    return meta
 
 
 @dataclass
@@ -140,7 +176,8 @@ class TaskManager:
     """
 
     def __init__(self, db_path: str | Path | None = None, patterns: list[Path] | None = None,
-                 telemetry_path: Path | None = None, max_tasks: int = 10_000) -> None:
+                 telemetry_path: Path | None = None, max_tasks: int = 10_000,
+                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL) -> None:
         from jitflow_server.analyzer.matcher import Matcher
         from jitflow_server.store.history import HistoryStore, default_db_path
 
@@ -150,12 +187,14 @@ class TaskManager:
         if patterns:
             self._import(patterns)
         self.matcher = Matcher(self.store)
+        self.advisor = CompoundAdvisor("pattern", matcher_for=lambda app: self.matcher, time_model=time_model,
+                                       stats=AppStats(typical_stages=self.store.typical_stages))
         self.tasks: dict[str, TaskState] = {}
         self.max_tasks = max_tasks
         self.telemetry_path = telemetry_path
 
     def _import(self, paths: list[Path]) -> None:
-        from jitflow_server.analyzer.patterns import read_jsonl
+        from jitflow_server.store.graph import read_jsonl
 
         n = 0
         for p in paths:
@@ -173,11 +212,11 @@ class TaskManager:
                 raise APIError(409, f"task {body.task_id!r} has already completed", param="task_id",
                                type="conflict")
             if t.implicit:  # first call arrived before registration: adopt the declared deadline
-                t.deadline, t.t0, t.implicit = body.deadline, body.start_time or t.t0, False
+                t.deadline, t.implicit = body.deadline, False
                 t.app = body.app
-                t.metadata = body.metadata
+                t.metadata = _with_client_start(body)
             return t
-        t = TaskState(body.task_id, body.app, body.deadline, body.start_time or time.time(), body.metadata)
+        t = TaskState(body.task_id, body.app, body.deadline, time.time(), _with_client_start(body))
         self.tasks[body.task_id] = t
         self._trim()
         return t
@@ -254,7 +293,7 @@ class TaskManager:
 
     # --------------------------------------------------------------- matching
     def _graph(self, t: TaskState, final: bool = False):
-        from jitflow_server.analyzer.patterns import CallNode, PatternGraph
+        from jitflow_server.store.graph import CallNode, PatternGraph
 
         calls = []
         for n in t.nodes.values():
@@ -276,24 +315,24 @@ class TaskManager:
         return PatternGraph.from_calls(t.app, calls, stage_names=names,
                                        outcome=t.outcome if final else None, task_id=t.task_id)
 
-    def on_call(self, ctx, body, rid: str, prompt_tokens: int, max_tokens: int, xargs: dict[str, Any],
-                timing) -> Any:
-        """Extend the partial graph with an LLM call and fill the scheduler metadata (``xargs``).
+    def advise_call(self, ctx, model: str, rid: str, prompt_tokens: int, max_tokens: int,
+                    timing) -> CallAdvice:
+        """Extend the task's partial graph with an LLM call and return the advice for its stage.
 
-        Returns the (possibly updated) ``SLOSpec`` of the call: judged against the task deadline.
+        ``ctx`` is the request's ``jitflow`` task context, ``timing`` its ``RequestTiming`` (arrival, unix
+        s; SLO with the waiting time). Raises ``APIError(400)`` for a call of an unregistered task
+        without ``slo.deadline`` and ``APIError(409)`` for a call of a completed task.
         """
-        from jitflow_server.analyzer.subdeadline import remaining_time, sub_deadline
-        from jitflow_server.tracker.goodput import SLOSpec
-
         now = timing.arrival
         t = self.tasks.get(ctx.task_id)
         if t is None:  # first call before (or without) registration: an implicit task
-            d = body.slo.deadline if body.slo is not None and body.slo.deadline else None
+            d = timing.slo.deadline
             if d is None:
                 raise APIError(400, f"task {ctx.task_id!r} is not registered and the call has no slo.deadline",
                                param="jitflow.task_id")
             t = TaskState(ctx.task_id, "unknown", d, now, implicit=True)
             self.tasks[ctx.task_id] = t
+            self._trim()
         if t.outcome is not None:
             raise APIError(409, f"task {ctx.task_id!r} has already completed", param="jitflow.task_id",
                            type="conflict")
@@ -301,36 +340,17 @@ class TaskManager:
         if ctx.stage:
             t.stage_names.setdefault(s, ctx.stage)
         cid = ctx.call_id or rid
-        t.nodes[cid] = _Node(cid, "llm", body.model, s, list(ctx.parents), prompt_tokens, None, now,
-                             request_id=rid)
-        match = None
-        t_match = time.perf_counter()
-        partial = self._graph(t)
-        try:
-            match = self.matcher.match(partial, bump=False) if partial is not None else None
-        except ValueError as exc:
-            logger.debug("matching failed for %s: %s", t.task_id, exc)
-        match_ms = (time.perf_counter() - t_match) * 1e3
+        t.nodes[cid] = _Node(cid, "llm", model, s, list(ctx.parents), prompt_tokens, None, now, request_id=rid)
         stage_pos = sorted({n.stage for n in t.nodes.values()}).index(s)
-        expected = None if match is not None else self.store.typical_stages(t.app)
-        sd = sub_deadline(match, stage_pos, t.t0, t.deadline, expected_stages=expected)
-        t.sub_deadlines[s] = sd
-        if match is not None:
-            g = match.graph
-            t.matched = {"graph_id": match.graph_id, "score": round(float(match.score), 4),
-                         "n_stages": g.n_stages, "task_tokens": int(sum(g.total_tokens())),
-                         "n_candidates": match.n_candidates, "match_ms": round(match_ms, 3)}
-            xargs["jf_task_tokens"] = int(sum(g.total_tokens()))
-            xargs["jf_task_rem_time"] = float(remaining_time(match, stage_pos))
-            outs = [n.output_len for n in g.nodes if n.stage == stage_pos and n.kind == "llm" and n.output_len]
-            if outs:
-                xargs["jf_len_bound"] = int(min(max_tokens, math.ceil(1.2 * max(outs)) + 1))
-        else:
-            t.matched = None
-        xargs.update({"jf_kind": "compound", "jf_task": t.task_id, "jf_stage": s, "jf_sub_deadline": sd,
-                      "jf_deadline": max(1e-3, t.t0 + t.deadline - now)})
-        timing.sub_deadline = sd
-        return SLOSpec("compound", None, None, max(1e-3, t.t0 + t.deadline - now), timing.slo.waiting_time)
+        advice = self.advisor.advise(t.app, self._graph(t), stage_pos, t.t0, t.deadline)
+        t.sub_deadlines[s] = advice.sub_deadline
+        t.matched = advice.matched
+        remaining = max(1e-3, t.t0 + t.deadline - now)
+        slo = SLOSpec(Kind.COMPOUND, None, None, remaining, timing.slo.waiting_time)
+        bound = min(max_tokens, advice.len_bound) if advice.len_bound is not None else None
+        return CallAdvice(slo=slo, app=t.app, task_id=t.task_id, stage_index=s, sub_deadline=advice.sub_deadline,
+                          task_tokens_est=advice.task_tokens_est if advice.matched else None,
+                          task_rem_gen_time=advice.task_rem_gen_time, len_bound=bound)
 
     def on_call_end(self, ctx, rid: str, timing, ok: bool) -> None:
         """Record the finished call's lengths and times in the task's graph."""
@@ -370,12 +390,30 @@ def _num(v: Any, default: float | None) -> float | None:
         return default
 
 
+def time_model_from_env() -> TokenTimeModel:
+    """The sub-deadline time model: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds per
+    decode / prefill token, e.g. the served engine's measured speed), else the default. Raises
+    ``ValueError`` naming the variable when it is malformed."""
+    spec = os.environ.get("JITFLOW_TIME_MODEL", "").strip()
+    if not spec:
+        return DEFAULT_TIME_MODEL
+    try:
+        dec, pre = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"JITFLOW_TIME_MODEL must be 'DECODE_S,PREFILL_S', got {spec!r}") from None
+    if not (math.isfinite(dec) and math.isfinite(pre) and dec > 0 and pre >= 0):
+        raise ValueError(f"JITFLOW_TIME_MODEL values must be finite and positive, got {spec!r}")
+    return TokenTimeModel(prefill_s_per_token=pre, decode_s_per_token=dec)
+
+
 async def attach_tasks(app: FastAPI, state) -> None:
     """Create the ``TaskManager`` (history DB from ``$JITFLOW_HISTORY_DB``, initial patterns from
-    ``$JITFLOW_PATTERNS``, call telemetry to ``$JITFLOW_TELEMETRY``) and attach it to ``state``."""
+    ``$JITFLOW_PATTERNS``, call telemetry to ``$JITFLOW_TELEMETRY``, sub-deadline time model from
+    ``$JITFLOW_TIME_MODEL``) and attach it to ``state``."""
     patterns = [Path(p) for p in os.environ.get("JITFLOW_PATTERNS", "").split(os.pathsep) if p]
     tele = os.environ.get("JITFLOW_TELEMETRY")
-    state.tasks = await asyncio.to_thread(TaskManager, None, patterns, Path(tele) if tele else None)
+    tm = time_model_from_env()
+    state.tasks = await asyncio.to_thread(TaskManager, None, patterns, Path(tele) if tele else None, 10_000, tm)
 
 
 def register_task_routes(app: FastAPI, state) -> None:

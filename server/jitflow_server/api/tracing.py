@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from opentelemetry import trace
 
@@ -60,3 +61,43 @@ def setup_tracing_from_env() -> None:
 def tracer() -> trace.Tracer:
     """The server's tracer (no-op unless a provider is installed)."""
     return trace.get_tracer("jitflow.server", "0.1.0")
+
+
+def start_request_span(model: str, request, timing, *, chat: bool, task_ctx=None) -> trace.Span:
+    """Start the SERVER span ``serve {model}`` of one request, a child of the caller's span when the
+    request carries W3C trace headers (``request.trace_headers``). ``timing`` is the request's
+    ``RequestTiming`` (arrival, unix s)."""
+    from opentelemetry import propagate
+
+    span = tracer().start_span(f"serve {model}", context=propagate.extract(dict(request.trace_headers or {})),
+                               kind=trace.SpanKind.SERVER, start_time=int(timing.arrival * 1e9))
+    span.set_attributes({"gen_ai.operation.name": "chat" if chat else "text_completion",
+                         "gen_ai.request.model": model, "gen_ai.request.max_tokens": request.max_tokens,
+                         "gen_ai.response.id": request.request_id, "jitflow.slo.kind": timing.slo.kind,
+                         "gen_ai.usage.input_tokens": timing.prompt_tokens})
+    if timing.sub_deadline is not None:
+        span.set_attribute("jitflow.sub_deadline", timing.sub_deadline)
+    if task_ctx is not None:
+        span.set_attributes({"jitflow.task_id": task_ctx.task_id, "jitflow.stage_index": task_ctx.stage_index})
+    return span
+
+
+def end_request_span(span: trace.Span, timing, summary: dict, finish_reason: str | None) -> None:
+    """Close the request's SERVER span with ``queue``/``decode`` children from the measured times
+    (``summary``: the response's ``jitflow`` object, unix s)."""
+    ctx = trace.set_span_in_context(span)
+    t_first, t_last = summary.get("first_token_time"), summary.get("last_token_time")
+    end = t_last or time.time()
+    if t_first is not None:
+        tr = tracer()
+        q = tr.start_span("queue", context=ctx, start_time=int(timing.arrival * 1e9))
+        q.end(end_time=int(t_first * 1e9))
+        d = tr.start_span("decode", context=ctx, start_time=int(t_first * 1e9))
+        d.set_attribute("gen_ai.usage.output_tokens", summary["output_tokens"])
+        d.end(end_time=int(end * 1e9))
+    span.set_attributes({"gen_ai.usage.output_tokens": summary["output_tokens"],
+                         "gen_ai.response.finish_reasons": [finish_reason or "abort"]})
+    for k in ("ttft", "e2el", "slo_met"):
+        if summary.get(k) is not None:
+            span.set_attribute(f"jitflow.{k}", summary[k])
+    span.end(end_time=int(end * 1e9))

@@ -1,5 +1,5 @@
-"""Real-engine benchmarks: ``jitflow bench engine`` (issue 3 §6), ``jitflow bench profile`` and
-``jitflow bench fidelity`` (issue 6 §1, §4). Each starts ONE ``jitflow serve`` subprocess, runs the
+"""Real-engine benchmarks: ``jitflow bench engine``, ``jitflow bench profile`` and
+``jitflow bench fidelity``. Each starts ONE ``jitflow serve`` subprocess, runs the
 policies back to back (switching with ``POST /v1/jitflow/policy``, waiting until idle in between)
 and stops the server's process group in a ``finally``."""
 
@@ -29,33 +29,50 @@ def policy_params(name: str, baseline_delta: int) -> dict:
     return {"delta_steps": baseline_delta} if name in ("edf", "sjf", "las", "sarathi") else {}
 
 
-def run_engine_policies(srv, jobs: list, policies: list[str], model_preset, length_scale: float, data,
-                        waiting_time: float | None, seed: int, baseline_delta: int, refine: bool = False,
-                        console=None) -> dict:
-    """Run ``jobs`` once per policy on the running server ``srv``; returns ``{policy: {"metrics", "jobs",
-    "stats", "errors", "wall_s", "steps"}}`` (metrics from :func:`jitflow_server.bench.metrics.summarize`;
-    ``steps`` the engine's step log of the run, ``GET /v1/jitflow/engine/steps``)."""
+def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: float) -> tuple[list[str], dict]:
+    """CLI arguments and environment that give ``jitflow serve`` the analyzer inputs of the simulator.
+
+    Writes the apps' history graphs (the deep-research history half, scaled like the workload) to
+    ``out/history.jsonl`` for ``--patterns``, a fresh ``out/history.sqlite`` store, and sets
+    ``JITFLOW_TIME_MODEL`` to the preset's decode/prefill seconds per token at batch ``batch_size``, so
+    the server's compound advisor sees what the simulated one sees.
+    """
+    from jitflow_server.bench.estimates import CompoundAnalyzer
+    from jitflow_server.store.graph import write_jsonl
+
+    hist = out / "history.jsonl"
+    an = CompoundAnalyzer("none", data, decode_s=model_preset.decode_token_time(batch_size),
+                          prefill_s=model_preset.per_prefill_token_s, length_scale=length_scale)
+    with open(hist, "w") as fh:
+        for graphs in an.history.values():
+            write_jsonl(graphs, fh)
+    db = out / "history.sqlite"
+    for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        f.unlink(missing_ok=True)
+    env = {"JITFLOW_TIME_MODEL": f"{model_preset.decode_token_time(batch_size)!r},{model_preset.per_prefill_token_s!r}"}
+    return ["--history-db", str(db), "--patterns", str(hist)], env
+
+
+def run_engine_policies(srv, jobs: list, policies: list[str], waiting_time: float | None, seed: int,
+                        baseline_delta: int, console=None) -> dict:
+    """Run ``jobs`` once per policy on the running server ``srv`` (started with :func:`server_setup`);
+    returns ``{policy: {"metrics", "jobs", "stats", "errors", "wall_s", "steps"}}`` (metrics from
+    :func:`jitflow_server.bench.metrics.summarize`; ``steps`` the engine's step log of the run,
+    ``GET /v1/jitflow/engine/steps``)."""
     from rich.progress import Progress
 
-    from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
     from jitflow_server.bench.metrics import summarize
     from jitflow_server.bench.real import run_jobs_real
 
     out: dict = {}
-    B = srv.batch_size
-    analyzers = {m: CompoundAnalyzer(m, data, decode_s=model_preset.decode_token_time(B),
-                                     prefill_s=model_preset.per_prefill_token_s, length_scale=length_scale)
-                 for m in ("pattern", "oracle")}
     span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
     for pol in policies:
         srv.set_policy(pol, policy_params(pol, baseline_delta))
         st0 = srv.stats()
-        bounder = LengthBounder("oracle" if pol == "oracle" else "noisy", refine_every=50 if refine else 10**9)
         t0 = time.time()
         with Progress(transient=True) as prog:
             task = prog.add_task(f"{pol}: requests", total=len(jobs))
-            res = run_jobs_real(srv.base_url, srv.model_name, jobs, bounder,
-                                analyzers["oracle" if pol == "oracle" else "pattern"], waiting_time, seed,
+            res = run_jobs_real(srv.base_url, srv.model_name, jobs, waiting_time, seed,
                                 progress=lambda t=task: prog.advance(t))
         st = srv.wait_idle()
         steps = srv.steps(t0)
@@ -138,8 +155,9 @@ def register(bench_app: typer.Typer) -> None:
     def _workload_setup(preset: str, data_dir, duration: float, rps: float, seed: int, length_scale: float,
                         tightness: float, out: Path):
         """Preset, trace sources and the ``duration × rps`` mixed workload shared by engine and fidelity."""
-        from jitflow_server.bench.presets import PresetError, load_preset
+        from jitflow_server.bench.presets import load_preset
         from jitflow_server.bench.workload import DataSources, make_workload
+        from jitflow_server.engine.step_model import PresetError
 
         try:
             pm = load_preset(preset)
@@ -173,18 +191,19 @@ def register(bench_app: typer.Typer) -> None:
                                      "seed, first policy) before the measured runs, so the first policy does not "
                                      "run on a cold engine (0 = none)."),
     ) -> None:
-        """Drive the real embedded vLLM engine with the mixed workload, one policy after another (issue 3 §6)."""
+        """Drive the real embedded vLLM engine with the mixed workload, one policy after another, through the
+        server's own path (its task manager, compound advisor and length bounds)."""
         from rich.console import Console
 
         from jitflow_server.bench.real import EngineBenchError, ServerProcess
-        from jitflow_server.scheduler import POLICY_NAMES
+        from jitflow_server.serve import served_policies
 
-        pols, data_dir = _common_setup(policies, data, POLICY_NAMES)
+        pols, data_dir = _common_setup(policies, data, tuple(served_policies()))
         pm, ds, jobs = _workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
         try:
-            with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
-                               log_path=out / "server.log") as srv:
+            args, env = server_setup(out, ds, pm, batch_size, length_scale)
+            with ServerProcess(model, pols[0], batch_size, port, args, log_path=out / "server.log", env=env) as srv:
                 con.print(f"server up at {srv.base_url}")
                 if warmup > 0:
                     from jitflow_server.bench.workload import make_workload
@@ -192,10 +211,8 @@ def register(bench_app: typer.Typer) -> None:
                     warm = make_workload(max(1, int(round(warmup * rps))), rps, data=ds, seed=seed + 1000,
                                          length_scale=length_scale, max_context=8000, tightness=tightness)
                     con.print(f"warm-up: {len(warm)} requests over {warmup:g} s (not recorded)")
-                    run_engine_policies(srv, warm, pols[:1], pm, length_scale, ds, waiting_time or None, seed,
-                                        baseline_delta)
-                runs = run_engine_policies(srv, jobs, pols, pm, length_scale, ds, waiting_time or None, seed,
-                                           baseline_delta, console=con)
+                    run_engine_policies(srv, warm, pols[:1], waiting_time or None, seed, baseline_delta)
+                runs = run_engine_policies(srv, jobs, pols, waiting_time or None, seed, baseline_delta, console=con)
         except EngineBenchError as e:
             con.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
@@ -284,9 +301,10 @@ def register(bench_app: typer.Typer) -> None:
         """
         from rich.console import Console
 
-        from jitflow_server.bench.presets import PresetError, StepModel, load_preset
+        from jitflow_server.bench.presets import load_preset
         from jitflow_server.bench.real import EngineBenchError, ServerProcess
         from jitflow_server.bench.runner import RunSettings, run_sim_one
+        from jitflow_server.engine.step_model import PresetError, StepModel
 
         saved = None
         analyzer_model = None
@@ -303,7 +321,7 @@ def register(bench_app: typer.Typer) -> None:
                     analyzer_model = StepModel(**c["analyzer_preset"])
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise typer.BadParameter(f"cannot reuse {real_from}: {e}", param_hint="--real-from") from None
-        pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-paper", "fcfs", "edf", "sjf", "las", "oracle"))
+        pols, data_dir = _common_setup(policies, data, ("gmax", "gmax-paper", "fcfs", "edf", "sjf", "las"))
         pm, ds, jobs = _workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         if analyzer_preset is not None:
             try:
@@ -320,18 +338,21 @@ def register(bench_app: typer.Typer) -> None:
             step_file = Path(real_from).parent / "steps.json"
         else:
             try:
-                with ServerProcess(model, pols[0], batch_size, port, ["--history-db", str(out / "history.sqlite")],
-                                   log_path=out / "server.log") as srv:
-                    real = run_engine_policies(srv, jobs, pols, analyzer_model, length_scale, ds,
-                                               waiting_time or None, seed, baseline_delta, console=con)
+                args, env = server_setup(out, ds, analyzer_model, batch_size, length_scale)
+                with ServerProcess(model, pols[0], batch_size, port, args, log_path=out / "server.log",
+                                   env=env) as srv:
+                    real = run_engine_policies(srv, jobs, pols, waiting_time or None, seed, baseline_delta,
+                                               console=con)
             except EngineBenchError as e:
                 con.print(f"[red]error:[/red] {e}")
                 raise typer.Exit(1) from None
             step_file = out / "steps.json"
             write_steps(real, step_file)
+        # the real side sends ignore_eos requests, whose exact length the server gives the scheduler as
+        # the bound: the simulated side gets the same exact bounds
         st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, baseline_admission=True,
                          baseline_delta=baseline_delta, length_scale=length_scale, seed=seed,
-                         analyzer_model=analyzer_model)
+                         analyzer_model=analyzer_model, length_bound="oracle")
         step_model: dict = {}
         if step_file.exists():  # the preset's step-time model on the batches the real engine ran
             from jitflow_server.bench.stepfit import check_step_model, load_steps
@@ -379,7 +400,7 @@ def register(bench_app: typer.Typer) -> None:
 
 def fidelity_band(jobs: list, pm, pols: list[str], st, ds, analyzers: dict, band: float, real: dict,
                   nominal: dict) -> dict:
-    """Sensitivity of the simulated result to the step-time model (issue 6 §4).
+    """Sensitivity of the simulated result to the step-time model.
 
     Re-runs each policy with every step time scaled by ``1 − band``, ``1 − band/2``, ``1 + band/2``
     and ``1 + band`` (:meth:`StepModel.scaled`; the analyzer's time model stays fixed, so only the

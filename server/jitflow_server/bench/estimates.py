@@ -13,7 +13,8 @@ Length bounds (``--length-bound``):
 - ``average``: the ``--analyzer none`` ablation: the mean output length of the call's class
   (kind, app, stage) from the workload; once exceeded, ``g + 50`` (the next refinement point).
 
-Compound sub-deadlines (``--analyzer``):
+Compound sub-deadlines (``--analyzer``), from the analyzer's ``CompoundAdvisor`` (``analyzer/advisor.py``, the
+object the server uses too):
 
 - ``pattern`` (default): at the start of stage s the partial pattern graph of the task (finished
   stages with their lengths, the open stage with its inputs) is matched against the app's history
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jitflow_server.bench.workload import DataSources, Job, history_tasks
+from jitflow_server.bench.workload import DataSources, history_tasks
+from jitflow_server.engine.jobs import Job
 
 Z90 = 1.2815515655446004  # Φ⁻¹(0.9)
 LENGTH_MODES = ("noisy", "oracle", "average")
@@ -89,20 +91,15 @@ class LengthBounder:
         return max(b, generated + 1)
 
 
-@dataclass
-class StageInfo:
-    """Analyzer output for one stage of a compound task (absolute seconds, tokens)."""
-
-    sub_deadline: float
-    task_rem_gen_time: float
-    task_tokens_est: int | None
-
-
 class CompoundAnalyzer:
-    """Sub-deadlines and task estimates of compound stages (see module docstring).
+    """The analyzer's :class:`~jitflow_server.analyzer.advisor.CompoundAdvisor` fed with benchmark jobs.
+
+    Builds the history of each app (the deep-research history half, scaled like the workload), a
+    matcher per app and the fallback summaries, and turns a :class:`Job` and a stage index into the
+    partial pattern graph the server would have built at that point.
 
     Args:
-        mode: ``pattern`` | ``oracle`` | ``none``.
+        mode: ``pattern`` | ``oracle`` | ``none`` (:data:`ANALYZER_MODES`).
         data: data sources (the deep-research history half).
         decode_s, prefill_s: per-token decode and prefill seconds of the
             :class:`~jitflow_server.analyzer.subdeadline.TokenTimeModel` (from the engine preset).
@@ -112,31 +109,43 @@ class CompoundAnalyzer:
 
     def __init__(self, mode: str, data: DataSources, decode_s: float, prefill_s: float,
                  length_scale: float = 1.0, apps: tuple[str, ...] = ("deep-research", "tot")) -> None:
+        from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
         from jitflow_server.analyzer.matcher import Matcher
-        from jitflow_server.analyzer.patterns import PatternGraph
         from jitflow_server.analyzer.subdeadline import TokenTimeModel, stage_times
+        from jitflow_server.store.graph import PatternGraph
 
         if mode not in ANALYZER_MODES:
             raise ValueError(f"analyzer mode must be one of {ANALYZER_MODES}, got {mode!r}")
         self.mode = mode
-        self.tm = TokenTimeModel(prefill_s_per_token=prefill_s, decode_s_per_token=decode_s)
+        tm = TokenTimeModel(prefill_s_per_token=prefill_s, decode_s_per_token=decode_s)
         self._PG = PatternGraph
-        self.matchers: dict[str, Matcher] = {}
-        self.typical: dict[str, int] = {}
-        self.mean_stage_time: dict[str, float] = {}
-        self.mean_tokens: dict[str, float] = {}
-        self.match_ms: list[float] = []
+        self.history: dict[str, list] = {}
+        matchers: dict[str, Matcher] = {}
+        typical: dict[str, int] = {}
+        mean_stage_time: dict[str, float] = {}
+        mean_tokens: dict[str, float] = {}
         for app in apps:
             hist = history_tasks(app, data, length_scale=length_scale)
             graphs = [PatternGraph.from_stage_lengths(app, t, task_id=f"h{i}") for i, t in enumerate(hist)]
-            self.typical[app] = int(math.ceil(float(np.median([g.n_stages for g in graphs]))))
-            self.mean_stage_time[app] = float(np.mean([stage_times(g, self.tm).mean() for g in graphs]))
-            self.mean_tokens[app] = float(np.mean([sum(g.total_tokens()) for g in graphs]))
+            self.history[app] = graphs
+            typical[app] = int(math.ceil(float(np.median([g.n_stages for g in graphs]))))
+            mean_stage_time[app] = float(np.mean([stage_times(g, tm).mean() for g in graphs]))
+            mean_tokens[app] = float(np.mean([sum(g.total_tokens()) for g in graphs]))
             if mode == "pattern":
-                self.matchers[app] = Matcher.from_graphs(graphs, bump=False)
+                matchers[app] = Matcher.from_graphs(graphs, bump=False)
+        self.time_model = tm
+        stats = AppStats(typical_stages=lambda app: typical.get(app),
+                         mean_stage_time=lambda app: mean_stage_time.get(app, 0.0),
+                         mean_task_tokens=lambda app: int(mean_tokens.get(app, 0)) or None)
+        self.advisor = CompoundAdvisor(mode, matcher_for=matchers.get, time_model=tm, stats=stats)
+
+    @property
+    def match_ms(self) -> list[float]:
+        """Wall-clock ms of every match so far (the advisor's)."""
+        return self.advisor.match_ms
 
     def _partial(self, job: Job, s: int):
-        from jitflow_server.analyzer.patterns import DEEPRESEARCH_MODEL, CallNode
+        from jitflow_server.store.graph import DEEPRESEARCH_MODEL, CallNode
 
         nodes, prev = [], []
         for k in range(s + 1):
@@ -149,30 +158,12 @@ class CompoundAnalyzer:
             prev = cur
         return self._PG.from_calls(job.app, nodes)
 
-    def stage_info(self, job: Job, s: int, t0: float) -> StageInfo:
-        """Sub-deadline (absolute s on the clock of ``t0``), remaining time and task tokens for stage ``s``."""
-        import time
-
-        from jitflow_server.analyzer.subdeadline import remaining_time, sub_deadline
-
+    def stage_info(self, job: Job, s: int, t0: float):
+        """:class:`~jitflow_server.analyzer.advisor.StageAdvice` for stage ``s`` of ``job`` started at ``t0``
+        (absolute s on the clock of ``t0``)."""
         d = float(job.deadline or 0.0)
-        if self.mode == "none":
-            typ = self.typical.get(job.app, len(job.stages))
-            sd = sub_deadline(None, s, t0, d, expected_stages=typ, time_model=self.tm)
-            rem = self.mean_stage_time.get(job.app, 0.0) * max(0, typ - s - 1)
-            return StageInfo(sd, rem, int(self.mean_tokens.get(job.app, 0)) or None)
         if self.mode == "oracle":
             g = self._PG.from_stage_lengths(job.app, [[(c.input_len, c.output_len) for c in st] for st in job.stages])
-            i, o = g.total_tokens()
-            return StageInfo(sub_deadline(g, s, t0, d, time_model=self.tm), remaining_time(g, s, time_model=self.tm),
-                             i + o)
-        t_0 = time.perf_counter()
-        m = self.matchers[job.app].match(self._partial(job, s), bump=False)
-        self.match_ms.append((time.perf_counter() - t_0) * 1e3)
-        if m is None:
-            typ = self.typical.get(job.app, len(job.stages))
-            return StageInfo(sub_deadline(None, s, t0, d, expected_stages=typ, time_model=self.tm),
-                             self.mean_stage_time.get(job.app, 0.0) * max(0, typ - s - 1), None)
-        i, o = m.graph.total_tokens()
-        return StageInfo(sub_deadline(m, s, t0, d, time_model=self.tm), remaining_time(m, s, time_model=self.tm),
-                         i + o)
+            return self.advisor.advise(job.app, None, s, t0, d, own_graph=g)
+        partial = self._partial(job, s) if self.mode == "pattern" else None
+        return self.advisor.advise(job.app, partial, s, t0, d)

@@ -1,4 +1,4 @@
-"""``jitflow bench profile``: measure step times of the real engine and fit the ``cpu-demo`` preset (issue 6 §1).
+"""``jitflow bench profile``: measure step times of the real engine and fit the ``cpu-demo`` preset.
 
 Measurements, all through the HTTP API of one ``jitflow serve`` (policy ``fcfs``: vLLM's own
 scheduler), with token-id prompts and ``ignore_eos`` so lengths are exact:
@@ -26,7 +26,8 @@ import time
 import httpx
 import numpy as np
 
-from jitflow_server.bench.presets import CPU_DEMO, StepModel, cv
+from jitflow_server.bench.presets import CPU_DEMO
+from jitflow_server.engine.step_model import StepModel, cv
 
 
 async def _batch(base_url: str, model: str, n: int, ctxs: list[int], gen: int, seed: int) -> list[dict]:

@@ -1,11 +1,14 @@
 """Drive the real embedded engine (``jitflow serve``) for ``bench profile``, ``bench fidelity`` and
-``bench engine`` (issue 3 §6, issue 6 §1 and §4).
+``bench engine``.
 
 :class:`ServerProcess` starts ONE ``jitflow serve`` subprocess in its own process group, waits for
 ``/health`` and kills the whole group on exit or exception (no leaked vLLM workers).
 :func:`run_jobs_real` replays a benchmark workload (:mod:`jitflow_server.bench.workload`) against
-it over HTTP with token-id prompts and ``ignore_eos`` (exact output lengths), the SLO object and the
-flat ``vllm_xargs`` scheduler metadata, and turns the responses' ``jitflow`` summaries (goodput
+it over HTTP exactly as a client would, so the server path is what is measured: token-id prompts with
+``ignore_eos`` (exact output lengths, which the server gives the scheduler as the length bound), the
+SLO object, and for compound tasks a registered task plus the ``jitflow`` task context on every call
+(the server's task manager and compound advisor compute the sub-deadlines). It turns the responses'
+``jitflow`` summaries (goodput
 judged server-side by :func:`jitflow_server.tracker.goodput.evaluate`) into the same job records as
 the simulator, so :func:`jitflow_server.bench.metrics.summarize` compares them like for like.
 """
@@ -24,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
-from jitflow_server.bench.workload import Job
+from jitflow_server.engine.jobs import Job
 
 #: ``Popen`` keyword for server subprocesses: their own process group (so the engine-core and
 #: worker processes are stopped together with ``killpg``) but NOT a new session. With the kernel's
@@ -33,7 +35,7 @@ from jitflow_server.bench.workload import Job
 #: CPU group, and on the 2-core reference machine (Linux 6.18) the busy engine's group left the
 #: client's processes with almost no CPU: a busy loop got 0.1 s of CPU in 15 s, with 8-s gaps, while
 #: the engine generated; in the same session it got its fair share. Load generators and tests that
-#: timed their requests were then seconds late (issue 3).
+#: timed their requests were then seconds late.
 SERVER_PROCESS_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 
 
@@ -57,7 +59,9 @@ class ServerProcess:
     """
 
     def __init__(self, model: str = "demo", policy: str = "gmax", batch_size: int = 32, port: int | None = None,
-                 extra: list[str] | None = None, startup_timeout: float = 300.0, log_path: Path | None = None) -> None:
+                 extra: list[str] | None = None, startup_timeout: float = 300.0, log_path: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.env = env
         self.model, self.policy, self.batch_size = model, policy, batch_size
         self.port = port or free_port()
         self.extra = list(extra or [])
@@ -75,7 +79,8 @@ class ServerProcess:
                "serve", "--model", self.model, "--port", str(self.port), "--policy", self.policy,
                "--batch-size", str(self.batch_size), *self.extra]
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, **SERVER_PROCESS_GROUP)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, **SERVER_PROCESS_GROUP)
         t0 = time.time()
         try:
             while time.time() - t0 < self.startup_timeout:
@@ -179,22 +184,35 @@ def task_key(run_id: str, job_id: str) -> str:
     return f"{run_id}.{job_id}"
 
 
-def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], bounder: LengthBounder,
-                  analyzer: CompoundAnalyzer | None, waiting_time: float | None = 5.0, seed: int = 0,
+def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], waiting_time: float | None = 5.0, seed: int = 0,
                   progress=None) -> dict:
     """Replay ``jobs`` (arrival s from now) against the server; returns ``{"jobs": [records], "makespan",
     "t_start", "errors"}`` with records shaped like the simulator's (see :mod:`jitflow_server.bench.metrics`).
 
-    Compound tasks run their stages in order (calls of a stage in parallel, ``tool_time`` between
-    stages) with ``jf_task`` (:func:`task_key`, unique per call of this function), ``jf_stage``, ``jf_sub_deadline`` (unix s), ``jf_task_rem_time``,
-    ``jf_task_tokens`` from ``analyzer``; every call carries ``jf_len_bound`` from ``bounder`` and
-    ``jf_true_len`` (read only by the oracle policy). A call answered 429 (not admitted within
-    ``waiting_time``) fails its job; a compound task then cancels its other calls.
+    A compound task is registered (``POST /v1/tasks``, id :func:`task_key`, unique per call of this
+    function) and runs its stages in order (calls of a stage in parallel, ``tool_time`` between stages),
+    each call carrying the ``jitflow`` task context. Tasks are not completed, so the server's history
+    store stays what it was loaded with and every policy of a run is matched against the same history.
+    A call answered 429 (not admitted within ``waiting_time``) fails its job; a compound task then
+    cancels its other calls.
     """
-    return asyncio.run(_run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time, seed, progress))
+    return asyncio.run(_run_jobs(base_url, model_name, jobs, waiting_time, seed, progress))
 
 
-async def _run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time, seed, progress) -> dict:
+def _record(job: Job, summ: dict | None, input_tokens: int) -> dict:
+    """The simulator-shaped record of a single-call job (``summ``: the response's ``jitflow`` object)."""
+    if summ is None:
+        return {"id": job.job_id, "kind": job.kind, "app": job.app, "arrival": job.arrival, "slo_met": False,
+                "goodput": 0, "output_tokens": 0, "input_tokens": input_tokens, "ttft": None,
+                "tbt_mean": None, "e2el": None, "rejected": True, "preemptions": 0, "calls": 1}
+    return {"id": job.job_id, "kind": job.kind, "app": job.app, "arrival": job.arrival,
+            "slo_met": bool(summ["slo_met"]), "goodput": int(summ["token_goodput"]),
+            "output_tokens": int(summ["output_tokens"]), "input_tokens": int(summ["prompt_tokens"]),
+            "ttft": summ["ttft"], "tbt_mean": summ["tbt_mean"], "e2el": summ["e2el"], "rejected": False,
+            "preemptions": 0, "calls": 1}
+
+
+async def _run_jobs(base_url, model_name, jobs, waiting_time, seed, progress) -> dict:
     import httpx
 
     rng = np.random.default_rng(seed)
@@ -206,13 +224,12 @@ async def _run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time,
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=60.0), limits=limits) as client:
 
-        async def call(job: Job, s: int, j: int, xargs: dict, slo: dict):
+        async def call(job: Job, s: int, j: int, slo: dict, task: dict | None = None):
             c = job.stages[s][j]
-            z = float(rng.standard_normal())
             body = {"model": model_name, "prompt": _prompt(rng, c.input_len), "max_tokens": c.output_len,
-                    "ignore_eos": True, "temperature": 0.0, "slo": slo,
-                    "vllm_xargs": {**xargs, "jf_len_bound": bounder.bound(c.output_len, 0, z, (job.kind, job.app, s)),
-                                   "jf_true_len": c.output_len}}
+                    "ignore_eos": True, "temperature": 0.0, "slo": slo}
+            if task is not None:
+                body["jitflow"] = {**task, "call_id": f"{s}.{j}"}
             code, resp = await _post(client, url, body)
             if code == 200:
                 return True, resp["jitflow"], c
@@ -228,34 +245,26 @@ async def _run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time,
                        else {"kind": "deadline", "deadline": job.deadline})
                 if waiting_time:
                     slo["waiting_time"] = waiting_time
-                ok, summ, c = await call(job, 0, 0, {}, slo)
+                ok, summ, c = await call(job, 0, 0, slo)
                 if progress is not None:
                     progress()
-                if not ok:
-                    return {"id": job.job_id, "kind": job.kind, "app": job.app, "arrival": job.arrival, "slo_met": False,
-                            "goodput": 0, "output_tokens": 0, "input_tokens": c.input_len, "ttft": None,
-                            "tbt_mean": None, "e2el": None, "rejected": True, "preemptions": 0, "calls": 1}
-                return {"id": job.job_id, "kind": job.kind, "app": job.app, "arrival": job.arrival,
-                        "slo_met": bool(summ["slo_met"]), "goodput": int(summ["token_goodput"]),
-                        "output_tokens": int(summ["output_tokens"]), "input_tokens": int(summ["prompt_tokens"]),
-                        "ttft": summ["ttft"], "tbt_mean": summ["tbt_mean"], "e2el": summ["e2el"], "rejected": False,
-                        "preemptions": 0, "calls": 1}
-            # compound task
+                return _record(job, summ if ok else None, c.input_len)
+            # compound task: registered, then its stages in order
             d = float(job.deadline)
+            tid = task_key(run_id, job.job_id)
+            code, resp = await _post(client, base_url + "/v1/tasks", {"task_id": tid, "app": job.app, "deadline": d})
+            if code != 201:
+                errors.append(f"{job.job_id}: task registration HTTP {code} {str(resp)[:200]}")
             in_tok = out_tok = 0
             first = end = None
             failed = rejected = False
+            parents: list[str] = []
             for s in range(len(job.stages)):
-                xa: dict = {"jf_task": task_key(run_id, job.job_id), "jf_stage": s}
-                if analyzer is not None:
-                    info = analyzer.stage_info(job, s, t0)
-                    xa.update(jf_sub_deadline=info.sub_deadline, jf_task_rem_time=info.task_rem_gen_time)
-                    if info.task_tokens_est:
-                        xa["jf_task_tokens"] = int(info.task_tokens_est)
                 slo = {"kind": "compound", "deadline": max(t0 + d - time.time(), 0.001)}
                 if waiting_time:
                     slo["waiting_time"] = waiting_time
-                tasks = [asyncio.create_task(call(job, s, j, xa, slo)) for j in range(len(job.stages[s]))]
+                task = {"task_id": tid, "stage": f"s{s}", "stage_index": s, "parents": parents}
+                tasks = [asyncio.create_task(call(job, s, j, slo, task)) for j in range(len(job.stages[s]))]
                 for fut in asyncio.as_completed(tasks):
                     ok, summ, c = await fut
                     if not ok:
@@ -272,6 +281,7 @@ async def _run_jobs(base_url, model_name, jobs, bounder, analyzer, waiting_time,
                 await asyncio.gather(*tasks, return_exceptions=True)
                 if failed:
                     break
+                parents = [f"{s}.{j}" for j in range(len(job.stages[s]))]
                 if s + 1 < len(job.stages):
                     await asyncio.sleep(job.tool_time)
             if progress is not None:

@@ -1,4 +1,4 @@
-"""Simulated benchmark runs: policy × load, ablations and sweeps (issue 6 §3).
+"""Simulated benchmark runs: policy × load, ablations and sweeps.
 
 ``run_sim_one`` runs one workload through one *variant* and returns its metrics. Variants:
 
@@ -12,7 +12,7 @@
   since the request was last served (the earlier rule, which thrashes under overload);
 - ``gmax-noadmit``: GMAX without admission control. It serves exactly the work FCFS serves, so its
   makespan throughput over FCFS's is the scheduler's cost in serving capacity (the throughput target
-  of issue 6; JITServe Fig. 14 compares against Sarathi-Serve the same way).
+  of the benchmark; JITServe Fig. 14 compares against Sarathi-Serve the same way).
 
 Baselines run frames of ``baseline_delta`` decode steps (default Δ = 50, like GMAX) plus a new
 frame on every arrival/finish: they re-rank exactly when their order can change through an
@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
 from jitflow_server.bench.metrics import summarize
-from jitflow_server.bench.presets import StepModel
-from jitflow_server.bench.workload import DataSources, Job
+from jitflow_server.bench.workload import DataSources
+from jitflow_server.engine.jobs import Job
 from jitflow_server.engine.sim import SimConfig, SimEngine
+from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import POLICY_NAMES, make_policy
 
 EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age", "gmax-served", "gmax-noadmit")

@@ -1,4 +1,4 @@
-"""``jitflow bench sim``: the simulated evaluation (issue 6 §3): policies × loads, oracle, ablation,
+"""``jitflow bench sim``: the simulated evaluation: policies × loads, oracle, ablation,
 SLO-tightness and workload-mix sweeps; writes ``results.json``, ``results.md`` and plots."""
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
               "values are means, `±` the 95 % t-interval half-width of the mean; ratios are taken per seed "
               "(side by side on one workload) and then averaged. Ablation and sweeps: seed "
               f"{cfg['seed']} only.", ""]
-    L += ["## Headline (targets of issue 6)", "",
+    L += ["## Headline (targets)", "",
           "`capacity / FCFS` is the throughput target: `gmax-noadmit` (GMAX without admission control) "
           "serves the same requests as FCFS, so the ratio of makespan throughputs is what GMAX's ordering and "
           "preemptions cost in serving capacity. The next columns compare different work: with admission "
@@ -371,15 +371,16 @@ def register(bench_app: typer.Typer) -> None:
                                       "GMAX's serving capacity on the same work as FCFS (the throughput target)."),
         quick: bool = typer.Option(False, "--quick", help="Small run (< 2 min): 150 requests, 3 loads, short sweeps."),
     ) -> None:
-        """Simulate GMAX and the baselines on the mixed workload; write results and plots (issue 6 §3)."""
+        """Simulate GMAX and the baselines on the mixed workload; write results and plots."""
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         from jitflow_server.bench.estimates import ANALYZER_MODES, LENGTH_MODES
-        from jitflow_server.bench.presets import PresetError, load_preset
+        from jitflow_server.bench.presets import load_preset
         from jitflow_server.bench.runner import check_variants
         from jitflow_server.bench.workload import WorkloadError, parse_mix
-        from jitflow_server.engine.cli import _parse_params
+        from jitflow_server.engine.step_model import PresetError
+        from jitflow_server.serve import parse_params
 
         try:
             model = load_preset(preset)
@@ -419,7 +420,7 @@ def register(bench_app: typer.Typer) -> None:
             pols.append("gmax-noadmit")
         sw_n = sweep_requests or min(requests, 1500)
         data_dir = resolve_data(data)
-        gparams = _parse_params(param)
+        gparams = parse_params(param)
         ticks = count_runs(pols, rps_list, ablation, t_list, mix_list, seeds)
         cols = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                 TimeElapsedColumn())

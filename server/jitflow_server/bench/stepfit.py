@@ -1,4 +1,4 @@
-"""Step-time model against the real engine's own step log (issue 6 §1 and §4).
+"""Step-time model against the real engine's own step log.
 
 The vLLM plug-in logs every engine step (``GET /v1/jitflow/engine/steps``; ``jitflow bench engine``
 and ``bench fidelity`` save it as ``steps.json``). Each entry is :data:`STEP_FIELDS`:
@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import typer
 
-from jitflow_server.bench.presets import PresetError, StepModel
+from jitflow_server.engine.step_model import PresetError, StepModel
 from jitflow_server.tracker.steps import STEP_FIELDS
 
 
@@ -163,7 +163,7 @@ def register(bench_app: typer.Typer) -> None:
         check: list[Path] = typer.Option([], "--check", help="Held-out steps.json to test the fit on (repeatable)."),
         policies: Optional[str] = typer.Option(None, "--policies", help="Only these policies' steps (comma-separated)."),
     ) -> None:
-        """Fit the step-time model to the real engine's logged steps; write a preset (issue 6 §1)."""
+        """Fit the step-time model to the real engine's logged steps; write a preset."""
         import time
 
         from rich.console import Console

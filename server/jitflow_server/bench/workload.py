@@ -1,4 +1,4 @@
-"""Benchmark workloads: latency / deadline / compound requests mixed 1:1:1 (JITServe §6.1; issue 6 §2).
+"""Benchmark workloads: latency / deadline / compound requests mixed 1:1:1 (JITServe §6.1).
 
 A workload is a list of :class:`Job` s sorted by arrival time (seconds from 0). A job is one
 *request* in the paper's sense: a latency- or deadline-sensitive single LLM call, or a compound
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jitflow_server.engine.jobs import CallSpec, Job
+
 KINDS = ("latency", "deadline", "compound")
 BASE_TTFT, BASE_TBT, BASE_DEADLINE, BASE_STAGE_DEADLINE = 2.0, 0.1, 20.0, 20.0
 
@@ -45,44 +47,6 @@ def default_data_dir() -> Path | None:
     repo = Path(__file__).resolve().parents[3]
     p = repo.parent / "shared" / "data"
     return p if p.is_dir() else None
-
-
-@dataclass(slots=True)
-class CallSpec:
-    """One LLM call: prompt and true output length (tokens)."""
-
-    input_len: int
-    output_len: int
-
-
-@dataclass(slots=True)
-class Job:
-    """One request of the workload (a single call, or a compound task of sequential stages).
-
-    ``arrival`` s from the workload start; ``stages[s]`` the parallel calls of stage s (one stage
-    with one call for latency/deadline jobs); SLO fields in seconds (``deadline`` relative to
-    arrival; for compound jobs the task deadline); ``tool_time`` s between consecutive stages.
-    """
-
-    job_id: str
-    kind: str
-    arrival: float
-    app: str
-    stages: list[list[CallSpec]]
-    ttft: float | None = None
-    tbt: float | None = None
-    deadline: float | None = None
-    tool_time: float = 0.0
-
-    @property
-    def n_calls(self) -> int:
-        """Number of LLM calls."""
-        return sum(len(s) for s in self.stages)
-
-    @property
-    def total_tokens(self) -> tuple[int, int]:
-        """(input, output) tokens summed over the calls."""
-        return (sum(c.input_len for s in self.stages for c in s), sum(c.output_len for s in self.stages for c in s))
 
 
 @dataclass

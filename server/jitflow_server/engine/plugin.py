@@ -3,15 +3,14 @@
 Use it as ``scheduler_cls`` (``"jitflow_server.engine.plugin.JitflowScheduler"``) in an
 embedded ``AsyncLLM`` (``jitflow serve``) or a stand-alone vLLM OpenAI server
 (``jitflow vllm-serve``). Policy settings travel in ``additional_config["jitflow"]``
-(``{"policy": "gmax", "params": {...}, "batch_size": 32}``); per-request SLO
-metadata travels in ``SamplingParams.extra_args`` (OpenAI server: ``vllm_xargs``),
-flat keys prefixed ``jf_`` (see ``docs/scheduling.md``):
+(``{"policy": "gmax", "params": {...}, "batch_size": 32}``). Per-request scheduling hints travel as
+one :class:`~jitflow_server.scheduler.hints.SchedHints` JSON string in ``SamplingParams.extra_args``
+under ``"jitflow_hints"`` (vLLM's OpenAI server: ``vllm_xargs``); a request without hints is
+best-effort, a request with invalid hints too (logged, counted as ``bad_hints`` in the stats).
 
-``jf_id`` (caller's request id), ``jf_kind`` (latency|deadline|compound|best_effort),
-``jf_arrival`` (unix s), ``jf_ttft``/``jf_tbt`` (s), ``jf_deadline`` (s *relative to
-arrival*), ``jf_sub_deadline`` (absolute unix s), ``jf_waiting_time`` (s),
-``jf_task``/``jf_stage`` (compound task id / stage index), ``jf_len_bound`` (tokens),
-``jf_task_tokens`` (tokens), ``jf_task_rem_time`` (s), ``jf_true_len`` (oracle only).
+Clock: every time the policy sees is ``time.monotonic()`` of the engine process. A request's hinted
+times are relative to its front-end arrival (unix s), mapped onto the monotonic clock once when the
+request is added. Diagnostics (events, step log, plan) report unix seconds.
 
 How the batch is enforced (vLLM 0.32, ``v1/core/sched/scheduler.py``): at each step
 the policy's plan (recomputed every Δ decode steps and on arrivals/finishes) is applied
@@ -19,13 +18,15 @@ by (1) preempting the chosen victims through vLLM's own ``_preempt_request``
 (recompute: KV freed), (2) showing the base scheduler, for this step only, the
 chosen running requests in plan order and a waiting queue holding only the chosen
 waiting requests, with the active cap set to B, (3) restoring the hidden requests
-afterwards. Hidden running requests keep their KV (paused, not preempted).
+afterwards. Hidden running requests keep their KV (paused, not preempted). The scheduler
+internals this relies on are listed in :data:`VLLM_METHODS` and :data:`VLLM_ATTRIBUTES` and
+checked at start-up.
 
-A side channel, ``EngineCore.jitflow_rpc(method, payload)``, is installed when this
-module is imported in the engine process; the server calls it with
-``call_utility_async("jitflow_rpc", ...)`` to push refined length bounds and
-sub-deadlines, to reject requests not admitted within their ``waiting_time``
-(JITServe §5 admission control), to switch policy, and to read scheduler stats.
+Control calls from the jitflow server (:class:`~jitflow_server.engine.protocol.EngineCall`: push
+refined hints, reject requests not admitted within their ``waiting_time`` (JITServe §5 admission
+control), switch policy, read stats) arrive through one engine-core utility method,
+:data:`CONTROL_METHOD`, installed on ``EngineCore`` when this module is imported in the engine
+process (vLLM resolves ``scheduler_cls`` there), and run between engine steps.
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ import time
 from collections import deque
 from typing import Any
 
+import vllm
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
-from jitflow_server.scheduler import Kind, RequestView, SchedContext, make_policy
+from jitflow_server.engine.protocol import EngineCall
+from jitflow_server.scheduler import RequestView, SchedContext, make_policy
+from jitflow_server.scheduler.hints import SIMULATOR_ONLY, HintsError, HintUpdate, SchedHints
+from jitflow_server.scheduler.lifecycle import IllegalTransition, Lifecycle, RequestState
 from jitflow_server.tracker.service import AttainedService
 from jitflow_server.tracker.steps import StepTimeTracker
 
@@ -50,50 +55,50 @@ logger = logging.getLogger("jitflow.plugin")
 
 #: Policies for which the plug-in simply runs vLLM's own FCFS scheduler (capped at B).
 PASSTHROUGH = {"fcfs", "vllm"}
+#: vLLM finish statuses of a request that produced all its tokens (others end it ``ABORTED``).
+_DONE_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
+#: The engine-core utility method that carries control calls (see the module docstring).
+CONTROL_METHOD = "jitflow_control"
+#: vLLM versions the plug-in was tested with; others are checked against :data:`VLLM_INTERNALS`.
+TESTED_VLLM = ("0.32.0",)
+#: ``Scheduler`` methods the plug-in calls or overrides, and instance attributes it reads or sets.
+#: A vLLM without one of them cannot run the plug-in (checked when the scheduler is built).
+VLLM_METHODS = ("_preempt_request", "_is_blocked_waiting_status", "update_from_output", "finish_requests",
+                "add_request", "schedule", "get_num_unfinished_requests", "pause_state")
+VLLM_ATTRIBUTES = ("max_num_running_reqs", "max_num_active_reqs", "running", "waiting", "requests",
+                   "block_size", "cache_config", "vllm_config")
 
-_KINDS = {k.value: k for k in Kind}
 
-
-def _f(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
+def missing_vllm_internals(sched: object | type = Scheduler) -> list[str]:
+    """Names of :data:`VLLM_METHODS` (and, for an instance, :data:`VLLM_ATTRIBUTES`) that ``sched``
+    (a ``Scheduler`` class or instance) lacks."""
+    names = VLLM_METHODS + (() if isinstance(sched, type) else VLLM_ATTRIBUTES)
+    return [n for n in names if not hasattr(sched, n)]
 
 
 class _Meta:
-    """Parsed jitflow metadata of one engine request (see module docstring for keys)."""
+    """What the plug-in keeps per engine request: its hints on the engine's monotonic clock."""
 
-    __slots__ = ("jf_id", "kind", "arrival", "ttft", "tbt", "deadline", "sub_deadline", "waiting_time",
-                 "task", "stage", "len_bound", "task_tokens", "task_rem_time", "true_len", "first_sched",
-                 "first_token", "last_token")
+    __slots__ = ("front_id", "kind", "arrival", "ttft", "tbt", "deadline", "sub_deadline", "waiting_time",
+                 "task", "stage", "len_bound", "task_tokens_est", "task_rem_gen_time", "life")
 
-    def __init__(self, req: Request) -> None:
-        sp = req.sampling_params
-        xa = dict(sp.extra_args or {}) if sp is not None else {}
-        self.jf_id = str(xa.get("jf_id") or req.request_id)
-        self.kind = _KINDS.get(str(xa.get("jf_kind", "best_effort")), Kind.BEST_EFFORT)
-        self.arrival = _f(xa.get("jf_arrival")) or float(req.arrival_time)
-        self.ttft = _f(xa.get("jf_ttft"))
-        self.tbt = _f(xa.get("jf_tbt"))
-        rel = _f(xa.get("jf_deadline"))
-        self.deadline = self.arrival + rel if rel is not None else None
-        self.sub_deadline = _f(xa.get("jf_sub_deadline"))
-        self.waiting_time = _f(xa.get("jf_waiting_time"))
-        self.task = str(xa["jf_task"]) if xa.get("jf_task") else None
-        st = _f(xa.get("jf_stage"))
-        self.stage = int(st) if st is not None else None
-        lb = _f(xa.get("jf_len_bound"))
-        self.len_bound = int(lb) if lb is not None else None
-        tt = _f(xa.get("jf_task_tokens"))
-        self.task_tokens = int(tt) if tt is not None else None
-        self.task_rem_time = _f(xa.get("jf_task_rem_time")) or 0.0
-        tl = _f(xa.get("jf_true_len"))
-        self.true_len = int(tl) if tl is not None else None
-        self.first_sched: float | None = None
-        self.first_token: float | None = None
-        self.last_token: float | None = None
+    def __init__(self, req: Request, hints: SchedHints | None, mono_now: float, unix_now: float) -> None:
+        h = hints or SchedHints()
+        self.front_id = h.request_id or req.request_id
+        self.kind = h.kind
+        arrival_unix = h.arrival if h.arrival is not None else float(req.arrival_time)
+        self.arrival = mono_now - max(0.0, unix_now - arrival_unix)
+        self.ttft = h.ttft
+        self.tbt = h.tbt
+        self.deadline = self.arrival + h.deadline if h.deadline is not None else None
+        self.sub_deadline = self.arrival + h.sub_deadline if h.sub_deadline is not None else None
+        self.waiting_time = h.waiting_time
+        self.task = h.task_id
+        self.stage = h.stage_index
+        self.len_bound = h.len_bound
+        self.task_tokens_est = h.task_tokens_est
+        self.task_rem_gen_time = h.task_rem_gen_time
+        self.life = Lifecycle(self.arrival)
 
 
 class JitflowScheduler(Scheduler):
@@ -105,41 +110,50 @@ class JitflowScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        missing = missing_vllm_internals(self)
+        if missing:
+            raise RuntimeError(f"vLLM {vllm.__version__} lacks scheduler internals the jitflow plug-in needs: "
+                               f"{missing} (tested with vLLM {', '.join(TESTED_VLLM)})")
+        if vllm.__version__ not in TESTED_VLLM:
+            logger.warning("jitflow plug-in tested with vLLM %s, running on %s", TESTED_VLLM, vllm.__version__)
         cfg = dict((self.vllm_config.additional_config or {}).get("jitflow", {}))
         self.batch_size = int(cfg.get("batch_size") or self.max_num_running_reqs)
         self._base_active_cap = self.max_num_active_reqs
         self.tracker = StepTimeTracker()
         self.meta: dict[str, _Meta] = {}
-        self.by_jf: dict[str, str] = {}
+        self.by_front_id: dict[str, str] = {}
         self.task_attained = AttainedService()  # LAS: tokens per task, bounded (LRU)
         self.step_no = 0
         self.frame_no = 0
         self.frame_ms: deque[float] = deque(maxlen=4096)
         #: every preemption by reason: policy | slots | vllm (vLLM's own, KV shortage)
         self.preempted_by_reason: dict[str, int] = {}
-        self._preempted: set[str] = set()  # preempted, not yet scheduled again
         #: requests scheduled again after a preemption; tokens they had to restore and how many of
         #: those the prefix cache still held (the rest was recomputed)
         self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}
         self.n_rejected = 0
+        self.n_bad_hints = 0
+        self.n_illegal_transitions = 0
         self._dirty = True
         self._plan_batch: list[str] = []
         self._plan_preempt: list[str] = []
         self._last_plan: tuple[float, list[RequestView], Any] | None = None
         self._t_sched_end: float | None = None
-        #: Engine step log for step-time model fits and fidelity (``jitflow_rpc("steps")``, bounded):
+        #: Engine step log for step-time model fits and fidelity (``EngineCall.STEPS``, bounded):
         #: one tuple per step with the columns of ``tracker.steps.STEP_FIELDS``; period = time since the
         #: previous step reached the same point (None after an idle engine).
         self.step_log: deque[tuple] = deque(maxlen=50_000)
         self._t_prev_update: float | None = None
         self._busy_after_update = False
         #: Recent request lifecycle events ``(unix s, event, request id, detail)``, newest last
-        #: (``jitflow_rpc("events")``; diagnostics, bounded).
+        #: (``EngineCall.EVENTS``; diagnostics, bounded).
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
         self._set_policy(str(cfg.get("policy", "fcfs")), dict(cfg.get("params") or {}))
 
     # ---------------------------------------------------------------- policy
     def _set_policy(self, name: str, params: dict) -> None:
+        if name in SIMULATOR_ONLY:
+            raise ValueError(f"policy {name!r} reads true output lengths, which exist only in the simulator")
         self.policy_name = name
         self.policy_params = params
         self.policy = None if name in PASSTHROUGH else make_policy(name, **params)
@@ -150,39 +164,62 @@ class JitflowScheduler(Scheduler):
     # ---------------------------------------------------------- bookkeeping
     def add_request(self, request: Request) -> None:
         super().add_request(request)
-        m = _Meta(request)
+        sp = request.sampling_params
+        try:
+            hints = SchedHints.from_extra_args(sp.extra_args if sp is not None else None)
+        except HintsError as exc:
+            self.n_bad_hints += 1
+            logger.error("request %s has invalid jitflow hints (%s); scheduled as best-effort",
+                         request.request_id, exc)
+            hints = None
+        m = _Meta(request, hints, time.monotonic(), time.time())
         self.meta[request.request_id] = m
-        self.by_jf[m.jf_id] = request.request_id
+        self.by_front_id[m.front_id] = request.request_id
         self._event("add", request.request_id, f"{m.kind.value} max_tokens={request.max_tokens}")
         self._dirty = True
 
     def _event(self, kind: str, req_id: str, detail: str = "") -> None:
         self.events.append((time.time(), kind, req_id, detail))
 
+    def _move(self, req_id: str, state: RequestState, now: float | None = None) -> None:
+        """Move a request's :class:`Lifecycle`; an illegal move is logged and counted, never raised
+        (the engine core must not die of a bookkeeping error)."""
+        m = self.meta.get(req_id)
+        if m is None:
+            return
+        try:
+            m.life.to(state, time.monotonic() if now is None else now)
+        except IllegalTransition as exc:
+            self.n_illegal_transitions += 1
+            logger.error("request %s: %s", req_id, exc)
+
     def _forget(self, req_id: str) -> None:
-        self._preempted.discard(req_id)
         m = self.meta.pop(req_id, None)
-        if m is not None and self.by_jf.get(m.jf_id) == req_id:
-            del self.by_jf[m.jf_id]
+        if m is not None and self.by_front_id.get(m.front_id) == req_id:
+            del self.by_front_id[m.front_id]
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False,
                          why: str = "vllm") -> None:  # type: ignore[override]
         super()._preempt_request(request, timestamp, drop_stale_output)
         self.preempted_by_reason[why] = self.preempted_by_reason.get(why, 0) + 1
-        self._preempted.add(request.request_id)
+        self._move(request.request_id, RequestState.PREEMPTED)
         self._event("preempt", request.request_id, why)
 
     def finish_requests(self, request_ids, finished_status):  # type: ignore[override]
         done = super().finish_requests(request_ids, finished_status)
         for r in done:
             self._event("finish", r.request_id, f"{finished_status.name} out={r.num_output_tokens}")
+            m = self.meta.get(r.request_id)
+            if m is not None and not m.life.done:
+                self._move(r.request_id, RequestState.FINISHED if r.status.name in _DONE_OK else RequestState.ABORTED)
             self._forget(r.request_id)
         if done:
             self._dirty = True
         return done
 
     def update_from_output(self, scheduler_output, model_runner_output):  # type: ignore[override]
-        now = time.time()
+        now = time.time()  # the step log is in unix seconds (diagnostics)
+        mono = time.monotonic()
         if self._t_sched_end is not None:
             n_dec = 0
             pre = 0
@@ -215,13 +252,13 @@ class JitflowScheduler(Scheduler):
                 continue
             n1 = r.num_output_tokens if r is not None else n0
             if n1 > n0:
-                if m.first_token is None:
-                    m.first_token = now
-                m.last_token = now
+                m.life.tokens(mono)
                 if m.task:
                     self.task_attained.add(m.task, n1 - n0)
             if r is None or r.is_finished():
                 self._event("finish", rid, f"{r.status.name if r is not None else 'gone'} out={n1}")
+                ok = r is not None and r.status.name in _DONE_OK
+                self._move(rid, RequestState.FINISHED if ok else RequestState.ABORTED, mono)
                 self._forget(rid)
                 self._dirty = True
         self._busy_after_update = bool(self.running or self.waiting)
@@ -241,10 +278,10 @@ class JitflowScheduler(Scheduler):
                 generated=r.num_output_tokens, len_bound=max(int(bound or 1), 1),
                 running=r.status == RequestStatus.RUNNING, kv_tokens=int(r.num_computed_tokens),
                 ttft=m.ttft, tbt=m.tbt, deadline=m.deadline, sub_deadline=m.sub_deadline, task_id=m.task,
-                stage_index=m.stage, task_tokens_est=m.task_tokens, task_rem_gen_time=m.task_rem_time,
+                stage_index=m.stage, task_tokens_est=m.task_tokens_est, task_rem_gen_time=m.task_rem_gen_time,
                 attained_service=float(self.task_attained.get(m.task) if m.task else r.num_output_tokens),
-                true_len=m.true_len, max_tokens=mt, first_token_time=m.first_token, last_token_time=m.last_token,
-                admit_by=(m.arrival + m.waiting_time) if (m.first_sched is None and m.waiting_time is not None) else None,
+                max_tokens=mt, first_token_time=m.life.first_token, last_token_time=m.life.last_token,
+                admit_by=m.life.admit_by(m.waiting_time),
             ))
         return views
 
@@ -269,11 +306,11 @@ class JitflowScheduler(Scheduler):
         self._last_plan = (now, views, decision)
 
     def schedule(self, throttle_prefills: bool = False):  # type: ignore[override]
-        now = time.time()
-        for r in self.running:  # first time each request gets scheduled (admission)
+        now = time.monotonic()
+        for r in self.running:  # admitted by the base scheduler in an earlier step
             m = self.meta.get(r.request_id)
-            if m is not None and m.first_sched is None:
-                m.first_sched = now
+            if m is not None and m.life.state is not RequestState.RUNNING:
+                self._move(r.request_id, RequestState.RUNNING, now)
         if self.policy is None:
             out = super().schedule(throttle_prefills)
             self._mark_scheduled(out, now)
@@ -335,17 +372,19 @@ class JitflowScheduler(Scheduler):
 
     def _mark_scheduled(self, out, now: float) -> None:
         for rid, n in out.num_scheduled_tokens.items():
-            if rid in self._preempted:  # resumed after a preemption: how much did the prefix cache keep?
-                self._preempted.discard(rid)
+            m = self.meta.get(rid)
+            if m is None:
+                continue
+            if m.life.state is RequestState.PREEMPTED:  # resumed: how much did the prefix cache keep?
                 r = self.requests.get(rid)
                 if r is not None:
                     # vLLM has already advanced num_computed_tokens by this step's tokens
                     self.resumed["requests"] += 1
                     self.resumed["tokens"] += r.num_prompt_tokens + r.num_output_tokens
                     self.resumed["cached_tokens"] += max(int(r.num_computed_tokens) - int(n), 0)
-            m = self.meta.get(rid)
-            if m is not None and m.first_sched is None:
-                m.first_sched = now
+            first = not m.life.ever_scheduled
+            self._move(rid, RequestState.RUNNING, now)
+            if first:
                 self._event("first_sched", rid, f"running={len(self.running)}")
 
     def _kv_capacity_tokens(self) -> int:
@@ -355,76 +394,93 @@ class JitflowScheduler(Scheduler):
     def _plan_dump(self) -> dict:
         """The last frame: ``{"time": unix s, "batch": [ids], "preempt": [ids], "requests": [{id, kind,
         running, in_batch, priority, generated, len_bound, input_len, arrival, admit_by, deadline,
-        sub_deadline, task}, ...]}`` (diagnostics; ``{}`` before the first frame or under fcfs)."""
+        sub_deadline, task}, ...]}`` with every time in unix seconds (diagnostics; ``{}`` before the first
+        frame or under fcfs)."""
         if self._last_plan is None:
             return {}
         t, views, d = self._last_plan
+        off = time.time() - time.monotonic()
+
+        def unix(x: float | None) -> float | None:
+            return None if x is None else x + off
+
         batch = set(d.batch)
-        return {"time": t, "frame": d.frame_id, "batch": list(d.batch), "preempt": list(d.preempt),
+        return {"time": unix(t), "frame": d.frame_id, "batch": list(d.batch), "preempt": list(d.preempt),
                 "requests": [{"id": v.req_id, "kind": v.kind.value, "running": v.running, "in_batch": v.req_id in batch,
                               "priority": d.priorities.get(v.req_id), "generated": v.generated,
-                              "len_bound": v.len_bound, "input_len": v.input_len, "arrival": v.arrival,
-                              "admit_by": v.admit_by, "deadline": v.deadline, "sub_deadline": v.sub_deadline,
-                              "task": v.task_id} for v in views]}
+                              "len_bound": v.len_bound, "input_len": v.input_len, "arrival": unix(v.arrival),
+                              "admit_by": unix(v.admit_by), "deadline": unix(v.deadline),
+                              "sub_deadline": unix(v.sub_deadline), "task": v.task_id} for v in views]}
 
-    # ------------------------------------------------------------------- RPC
-    def jitflow_rpc(self, method: str, payload: dict | None = None) -> Any:
-        """Side-channel calls from the jitflow server (run between engine steps).
+    # --------------------------------------------------------------- control
+    def control(self, call: str, payload: dict | None = None) -> Any:
+        """Answer one :class:`~jitflow_server.engine.protocol.EngineCall` from the jitflow server (run
+        between engine steps).
 
-        Methods: ``stats``; ``events`` (recent request lifecycle events, oldest first: ``[[unix s, event,
-        request id, detail], ...]``, events add/first_sched/preempt/finish/reject); ``plan`` (the last
-        scheduling decision, see :meth:`_plan_dump`); ``steps`` (``{"since": unix s}`` -> the step log
-        entries after ``since``, see ``step_log``); ``update`` (``{"len_bound": {jf_id: tokens}, "sub_deadline": {jf_id: unix s},
-        "finished": [[jf_id, goodput], ...]}``); ``reject_waiting`` (``{"ids": [jf_id...]}`` -> ids that
-        had never been scheduled and are now removed); ``set_policy`` (``{"name", "params", "batch_size"}``).
-        Raises ``ValueError`` for an unknown method or bad policy.
+        ``stats``; ``events`` (recent request lifecycle events, oldest first: ``[[unix s, event, request id,
+        detail], ...]``, events add/first_sched/preempt/finish/reject); ``plan`` (:meth:`_plan_dump`);
+        ``steps`` (``{"since": unix s}`` -> the step-log entries after ``since``); ``update`` (a
+        :class:`~jitflow_server.scheduler.hints.HintUpdate` dict, keyed by hint request id);
+        ``reject_waiting`` (``{"ids": [...]}`` -> ``{"rejected": ids never scheduled and now removed}``);
+        ``set_policy`` (``{"name", "params", "batch_size"}``). Raises ``ValueError`` for an unknown call,
+        a bad payload or a bad policy.
         """
+        try:
+            c = EngineCall(call)
+        except ValueError:
+            raise ValueError(f"unknown jitflow control call {call!r}") from None
         p = payload or {}
-        if method == "stats":
+        if c is EngineCall.STATS:
             return self._stats()
-        if method == "events":
+        if c is EngineCall.EVENTS:
             return [list(e) for e in self.events]
-        if method == "plan":
+        if c is EngineCall.PLAN:
             return self._plan_dump()
-        if method == "steps":
+        if c is EngineCall.STEPS:
             since = float(p.get("since") or 0.0)
             return [list(e) for e in self.step_log if e[0] > since]
-        if method == "update":
-            for jf, b in (p.get("len_bound") or {}).items():
-                rid = self.by_jf.get(jf)
-                if rid in self.meta:
-                    self.meta[rid].len_bound = int(b)
-            for jf, t in (p.get("sub_deadline") or {}).items():
-                rid = self.by_jf.get(jf)
-                if rid in self.meta:
-                    self.meta[rid].sub_deadline = float(t)
-            if self.policy is not None:
-                for jf, g in p.get("finished") or []:
-                    self.policy.on_finished(str(jf), float(g), time.time())
-            self._dirty = True
+        if c is EngineCall.UPDATE:
+            self._apply_update(HintUpdate.from_dict(p))
             return {"ok": True}
-        if method == "reject_waiting":
-            rejected = []
-            for jf in p.get("ids") or []:
-                rid = self.by_jf.get(jf)
-                m = self.meta.get(rid) if rid else None
-                r = self.requests.get(rid) if rid else None
-                if r is None or m is None or m.first_sched is not None or r.status == RequestStatus.RUNNING:
-                    continue
-                self._event("reject", rid, "admission")
-                self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-                self.n_rejected += 1
-                rejected.append(jf)
-            return {"rejected": rejected}
-        if method == "set_policy":
-            if p.get("batch_size") is not None:
-                b = int(p["batch_size"])
-                if not 1 <= b <= self.max_num_running_reqs:
-                    raise ValueError(f"batch_size must be in [1, {self.max_num_running_reqs}]")
-                self.batch_size = b
-            self._set_policy(str(p.get("name", self.policy_name)), dict(p.get("params") or {}))
-            return self._stats()
-        raise ValueError(f"unknown jitflow_rpc method {method!r}")
+        if c is EngineCall.REJECT_WAITING:
+            return {"rejected": self._reject_waiting([str(x) for x in p.get("ids") or []])}
+        if p.get("batch_size") is not None:  # EngineCall.SET_POLICY
+            b = int(p["batch_size"])
+            if not 1 <= b <= self.max_num_running_reqs:
+                raise ValueError(f"batch_size must be in [1, {self.max_num_running_reqs}]")
+            self.batch_size = b
+        self._set_policy(str(p.get("name", self.policy_name)), dict(p.get("params") or {}))
+        return self._stats()
+
+    def _apply_update(self, u: HintUpdate) -> None:
+        for fid, b in u.len_bound.items():
+            rid = self.by_front_id.get(fid)
+            if rid in self.meta:
+                self.meta[rid].len_bound = int(b)
+        for fid, t in u.sub_deadline.items():
+            rid = self.by_front_id.get(fid)
+            if rid in self.meta:
+                m = self.meta[rid]
+                m.sub_deadline = m.arrival + float(t)
+        if self.policy is not None:
+            for fid, g in u.finished:
+                self.policy.on_finished(fid, g, time.monotonic())
+        self._dirty = True
+
+    def _reject_waiting(self, ids: list[str]) -> list[str]:
+        rejected = []
+        for fid in ids:
+            rid = self.by_front_id.get(fid)
+            m = self.meta.get(rid) if rid else None
+            r = self.requests.get(rid) if rid else None
+            if r is None or m is None or m.life.ever_scheduled or r.status == RequestStatus.RUNNING:
+                continue
+            self._event("reject", rid, "admission")
+            self._move(rid, RequestState.REJECTED)
+            self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self.n_rejected += 1
+            rejected.append(fid)
+        return rejected
 
     def _stats(self) -> dict:
         import statistics
@@ -444,16 +500,17 @@ class JitflowScheduler(Scheduler):
             "kv_capacity_tokens": self._kv_capacity_tokens(),
             "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
             "resumed": dict(self.resumed),
-            "rejected": self.n_rejected, "tracker": self.tracker.summary(),
+            "rejected": self.n_rejected, "bad_hints": self.n_bad_hints,
+            "illegal_transitions": self.n_illegal_transitions, "tracker": self.tracker.summary(),
         }
 
 
-def _engine_core_jitflow_rpc(self: EngineCore, method: str, payload: dict | None = None) -> Any:
+def _engine_core_control(self: EngineCore, call: str, payload: dict | None = None) -> Any:
     sched = self.scheduler
-    if not hasattr(sched, "jitflow_rpc"):
+    if not isinstance(sched, JitflowScheduler):
         raise RuntimeError("the engine is not running the jitflow scheduler plug-in")
-    return sched.jitflow_rpc(method, payload)
+    return sched.control(call, payload)
 
 
 # Installed in the engine-core process when vLLM resolves ``scheduler_cls``.
-EngineCore.jitflow_rpc = _engine_core_jitflow_rpc  # type: ignore[attr-defined]
+setattr(EngineCore, CONTROL_METHOD, _engine_core_control)

@@ -1,5 +1,5 @@
 """Discrete-event simulator of a continuously batched LLM engine running the jitflow policy core
-(issue 6 §1; DESIGN.md §6 "Simulator").
+(JITServe §6 evaluates on one; this one mirrors the vLLM plug-in).
 
 It mirrors what the vLLM plug-in (``engine/plugin.py``) does, in virtual time:
 
@@ -21,7 +21,7 @@ It mirrors what the vLLM plug-in (``engine/plugin.py``) does, in virtual time:
   less what vLLM's automatic prefix caching still holds (``StepModel.prefix_caching``, default on):
   its freed blocks go to the tail of a FIFO free queue and are reused by later allocations, so a
   call re-admitted before the queue turns over gets its full blocks back (the miss that made the
-  simulator thrash under LAS and overstate recompute costs: docs/benchmarks.md, session 4);
+  simulator thrash under LAS and overstate recompute costs: docs/benchmarks.md);
   preemptions are counted by reason (``policy``, ``slots``, ``kv``, ``blocked``);
 - admission control (JITServe §5): a call never scheduled within ``waiting_time`` is rejected;
 - step time from the preset (:class:`~jitflow_server.bench.presets.StepModel`), with the
@@ -40,18 +40,39 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
-from jitflow_server.bench.presets import StepModel, cv
-from jitflow_server.bench.workload import Job
+from jitflow_server.engine.jobs import Job
+from jitflow_server.engine.step_model import StepModel, cv
 from jitflow_server.scheduler import Kind, Policy, RequestView, SchedContext
-from jitflow_server.tracker.goodput import SLOSpec, evaluate
+from jitflow_server.scheduler.types import SLOSpec
+from jitflow_server.tracker.goodput import evaluate
 from jitflow_server.tracker.steps import StepTimeTracker
 
 _KIND = {"latency": Kind.LATENCY, "deadline": Kind.DEADLINE, "compound": Kind.COMPOUND,
          "best_effort": Kind.BEST_EFFORT}
+
+
+class LengthBounds(Protocol):
+    """The simulator's length bounds (tokens): it knows each call's true length, and the source decides how
+    much of it the policy sees. ``cls`` is ``(kind, app, stage)``; ``z`` the call's persistent noise
+    draw; bounds are refreshed every ``refine_every`` generated tokens."""
+
+    refine_every: int
+
+    def bound(self, true_len: int, generated: int, z: float, cls: tuple) -> int: ...
+
+
+class StageAdvisor(Protocol):
+    """The compound advisor as the simulator uses it: advice for stage ``s`` of ``job`` started at ``t0``
+    (an object with ``sub_deadline``, ``task_rem_gen_time``, ``task_tokens_est``); ``match_ms`` lists the
+    match times."""
+
+    match_ms: list[float]
+
+    def stage_info(self, job: Job, s: int, t0: float) -> Any: ...
 
 
 class SimulationError(RuntimeError):
@@ -128,8 +149,8 @@ class SimEngine:
     ``on_step(t, step, n_scheduled, used_kv_blocks)`` is called after every (macro-)step. Raises :class:`SimulationError` if a call cannot fit the KV cache.
     """
 
-    def __init__(self, model: StepModel, policy: Policy, bounder: LengthBounder,
-                 analyzer: CompoundAnalyzer | None, config: SimConfig | None = None,
+    def __init__(self, model: StepModel, policy: Policy, bounder: LengthBounds,
+                 analyzer: StageAdvisor | None, config: SimConfig | None = None,
                  on_step: Callable[[float, int, int, int], None] | None = None) -> None:
         self.m = model
         self.policy = policy

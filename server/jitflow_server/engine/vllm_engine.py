@@ -1,18 +1,32 @@
-"""Embedded vLLM v1 ``AsyncLLM`` with the jitflow scheduler plug-in (DESIGN.md §6).
+"""Embedded vLLM v1 ``AsyncLLM`` with the jitflow scheduler plug-in: the real :class:`~jitflow_server.engine.protocol.Engine`.
 
 ``EngineConfig`` describes the engine; ``VLLMEngine.start`` builds it (15–60 s on a
 2-core CPU: vLLM spawns an engine-core process and a worker). Code that starts an
 engine must run under an ``if __name__ == "__main__":`` guard (spawned processes).
+Requests arrive as :class:`~jitflow_server.engine.protocol.GenerateRequest` and become vLLM
+``SamplingParams`` here; their :class:`~jitflow_server.scheduler.hints.SchedHints` ride in
+``extra_args`` (the only thing the plug-in reads). Control calls go to the plug-in through one
+engine-core utility method (``engine/plugin.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from jitflow_server.engine.protocol import (
+    EngineCall,
+    EngineError,
+    GenerateRequest,
+    InvalidRequestError,
+    PolicySpec,
+    TokenDelta,
+)
+from jitflow_server.scheduler.hints import HintUpdate
 
 logger = logging.getLogger("jitflow.engine")
 
@@ -70,10 +84,6 @@ def kv_cache_gib_for(dtype: str, gib: float | None) -> float:
     return 4.0 if dtype == "float32" else 2.0
 
 
-class EngineError(RuntimeError):
-    """The engine failed to start or to serve a request."""
-
-
 @dataclass
 class EngineConfig:
     """Settings of the embedded engine.
@@ -106,10 +116,16 @@ class EngineConfig:
 
 
 class VLLMEngine:
-    """Owner of one ``AsyncLLM`` running ``JitflowScheduler``; ``start()`` then ``generate``/``abort``/``rpc``."""
+    """Owner of one ``AsyncLLM`` running ``JitflowScheduler``; implements the ``Engine`` protocol.
+
+    ``start()`` builds the engine, then ``generate``/``abort`` and the typed control calls. Raises
+    :class:`EngineError` from every call made before ``start()`` or after ``shutdown()``.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.served_name = config.served_name
+        self.max_model_len = config.max_model_len
         self.llm = None
         self.tokenizer = None
         self.dtype: str | None = None
@@ -145,45 +161,132 @@ class VLLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(c.model))
 
+    def _llm(self):
+        if self.llm is None:
+            raise EngineError("engine not started")
+        return self.llm
+
     @property
     def alive(self) -> bool:
         """True while the engine core is running and not errored."""
         return self.llm is not None and not getattr(self.llm, "errored", False)
 
-    def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str,
-                 trace_headers: dict[str, str] | None = None) -> AsyncIterator:
-        """Stream ``RequestOutput`` deltas for one request (``sampling_params.output_kind`` DELTA).
-
-        ``trace_headers`` (W3C ``traceparent``/``tracestate``) are forwarded to vLLM's own tracing.
-        """
-        if self.llm is None:
+    # ---------------------------------------------------------------------------- tokenizer
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (valid prompt ids are ``[0, vocab_size)``)."""
+        if self.tokenizer is None:
             raise EngineError("engine not started")
-        return self.llm.generate({"prompt_token_ids": prompt_token_ids}, sampling_params, request_id=request_id,
-                                 trace_headers=trace_headers)
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no chat template)."""
+        if self.tokenizer is None:
+            raise EngineError("engine not started")
+        return list(self.tokenizer(text).input_ids)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of ``messages`` (``[{"role", "content"}]``) through the model's chat template, with
+        the generation prompt appended."""
+        if self.tokenizer is None:
+            raise EngineError("engine not started")
+        ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
+                                                 add_generation_prompt=True)
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---------------------------------------------------------------------------- requests
+    @staticmethod
+    def sampling_params(req: GenerateRequest):
+        """vLLM ``SamplingParams`` of ``req`` (DELTA output; hints in ``extra_args``).
+
+        Raises :class:`InvalidRequestError` when vLLM refuses the settings.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        so = None
+        if req.structured is not None:
+            so = (StructuredOutputsParams(json=dict(req.structured.schema)) if req.structured.schema is not None
+                  else StructuredOutputsParams(json_object=True))
+        stop = req.stop if (req.stop is None or isinstance(req.stop, str)) else list(req.stop)
+        try:
+            return SamplingParams(
+                max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                stop=stop, ignore_eos=req.ignore_eos, min_tokens=min(req.min_tokens, req.max_tokens),
+                output_kind=RequestOutputKind.DELTA, structured_outputs=so,
+                extra_args=req.hints.to_extra_args(),
+            )
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"invalid sampling parameters: {exc}") from None
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Validate ``request`` now (raises :class:`InvalidRequestError`) and stream its deltas."""
+        llm = self._llm()
+        sp = self.sampling_params(request)
+        return self._stream(llm, request, sp)
+
+    @staticmethod
+    async def _stream(llm, request: GenerateRequest, sp) -> AsyncIterator[TokenDelta]:
+        gen = llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, sp,
+                           request_id=request.request_id,
+                           trace_headers=dict(request.trace_headers) if request.trace_headers else None)
+        async for out in gen:
+            c = out.outputs[0]
+            yield TokenDelta(list(c.token_ids), c.text or "", bool(out.finished),
+                             (c.finish_reason or "stop") if out.finished else None)
 
     async def abort(self, request_id: str) -> None:
         """Abort one request in the frontend and the engine core (idempotent)."""
         if self.llm is not None:
             await self.llm.abort(request_id)
 
-    async def rpc(self, method: str, payload: dict | None = None) -> Any:
-        """Call ``JitflowScheduler.jitflow_rpc`` in the engine-core process (see ``engine/plugin.py``)."""
-        if self.llm is None:
-            raise EngineError("engine not started")
-        return await self.llm.engine_core.call_utility_async("jitflow_rpc", method, payload or {})
+    # ---------------------------------------------------------------------------- control
+    async def _call(self, call: EngineCall, payload: dict | None = None) -> Any:
+        """One control call answered by ``JitflowScheduler.control`` in the engine-core process."""
+        from jitflow_server.engine.plugin import CONTROL_METHOD
+
+        return await self._llm().engine_core.call_utility_async(CONTROL_METHOD, call.value, payload or {})
+
+    async def reject_waiting(self, request_ids: Sequence[str]) -> list[str]:
+        """Remove never-scheduled requests (admission control, JITServe §5); returns the ids removed."""
+        res = await self._call(EngineCall.REJECT_WAITING, {"ids": list(request_ids)})
+        return list((res or {}).get("rejected", []))
+
+    async def update_hints(self, update: HintUpdate) -> None:
+        """Push refined length bounds / sub-deadlines and finished goodput to the scheduler."""
+        await self._call(EngineCall.UPDATE, update.to_dict())
+
+    async def set_policy(self, spec: PolicySpec) -> dict[str, Any]:
+        """Switch the scheduling policy; returns the new stats. Raises ``ValueError`` for a bad policy."""
+        return await self._call(EngineCall.SET_POLICY, {"name": spec.name, "params": dict(spec.params),
+                                                         "batch_size": spec.batch_size})
+
+    async def stats(self) -> dict[str, Any]:
+        """Scheduler counters (see ``JitflowScheduler.stats``)."""
+        return await self._call(EngineCall.STATS)
+
+    async def events(self) -> list[list[Any]]:
+        """Recent request lifecycle events in the engine, ``[unix s, event, request id, detail]``."""
+        return await self._call(EngineCall.EVENTS)
+
+    async def plan(self) -> dict[str, Any]:
+        """The scheduler's last decision (diagnostics)."""
+        return await self._call(EngineCall.PLAN)
+
+    async def steps(self, since: float) -> list[list[Any]]:
+        """The engine's step log after unix time ``since`` (s)."""
+        return await self._call(EngineCall.STEPS, {"since": since})
 
     async def pause(self) -> None:
         """Stop scheduling: requests already in the engine keep their state (and KV cache) and new
         requests queue; nothing is aborted (vLLM ``pause_generation(mode="keep")``). Use ``resume()``."""
-        if self.llm is None:
-            raise EngineError("engine not started")
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self._llm().pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
         """Resume scheduling after ``pause()``; queued requests are scheduled by the policy as usual."""
-        if self.llm is None:
-            raise EngineError("engine not started")
-        await self.llm.resume_generation()
+        await self._llm().resume_generation()
 
     async def is_paused(self) -> bool:
         """True between ``pause()`` and ``resume()``."""

@@ -40,7 +40,7 @@ _BASELINES: dict[str, type[OrderPolicy]] = {
 
 
 def make_policy(name: str, **params: Any) -> Policy:
-    """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: DESIGN.md §5), ``gmax-paper``
+    """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: docs/scheduling.md), ``gmax-paper``
     (the paper's ``goodput/t_gen`` ranking, window and stall pricing, JITServe §4.2: ``jit=False,
     free_pause=True, stall_value="tokens", window="paper", overrun=0``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.

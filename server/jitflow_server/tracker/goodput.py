@@ -1,4 +1,4 @@
-"""Goodput and SLO attainment of one finished request (JITServe §3; DESIGN.md §3).
+"""Goodput and SLO attainment of one finished request (JITServe §3).
 
 Pure functions over measured token times, shared by the HTTP API (the ``slo_met``
 field of every response), the benchmarks and the simulator.
@@ -19,16 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class SLOSpec:
-    """Plain SLO parameters of one request (seconds; ``None`` where the kind has none)."""
-
-    kind: str = "best_effort"
-    ttft: float | None = None
-    tbt: float | None = None
-    deadline: float | None = None  # relative to arrival
-    waiting_time: float | None = None
+from jitflow_server.scheduler.types import SLOSpec
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jitflow_server.tracker.goodput import SLOSpec, evaluate
+from jitflow_server.scheduler.types import SLOSpec
+from jitflow_server.tracker.goodput import evaluate
 
 _LAT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 40, 60, 120, 300)
 
@@ -30,13 +31,13 @@ class RequestTiming:
         self.token_times.extend([t] * n)
 
     def summary(self, finished_ok: bool = True) -> dict:
-        """The ``jitflow`` object of responses: TTFT, TBT max/mean, E2EL (s), ``slo_met`` (DESIGN.md §3)."""
+        """The ``jitflow`` object of responses: TTFT, TBT max/mean, E2EL (s), ``slo_met``."""
         tt = self.token_times
         gaps = [b - a for a, b in zip(tt, tt[1:])]
         res = evaluate(self.slo, self.arrival, tt, self.prompt_tokens, finished_ok=finished_ok)
         return {
             "request_id": self.request_id,
-            "kind": self.slo.kind,
+            "kind": self.slo.kind.value,
             "arrival": self.arrival,
             "first_token_time": tt[0] if tt else None,
             "last_token_time": tt[-1] if tt else None,
@@ -68,7 +69,7 @@ class ServerMetrics:
         self.e2el = Histogram("jitflow_e2el_seconds", "End-to-end latency", ["kind"], buckets=_LAT_BUCKETS,
                               registry=r)
         self.output_tokens = Counter("jitflow_output_tokens", "Generated tokens", ["kind"], registry=r)
-        self.goodput_tokens = Counter("jitflow_goodput_tokens", "Tokens counted as goodput (DESIGN.md §3)",
+        self.goodput_tokens = Counter("jitflow_goodput_tokens", "Tokens counted as goodput",
                                       ["kind"], registry=r)
         self.queue = Gauge("jitflow_queue_length", "Requests waiting for their first token", registry=r)
         self.in_flight = Gauge("jitflow_requests_in_flight", "Requests being served", registry=r)
@@ -77,7 +78,7 @@ class ServerMetrics:
 
     def observe(self, timing: RequestTiming, outcome: str, summary: dict) -> None:
         """Record one finished request (``outcome``: slo_met|slo_missed|best_effort|aborted|rejected|error)."""
-        k = timing.slo.kind
+        k = timing.slo.kind.value
         self.requests.labels(k, outcome).inc()
         if summary.get("ttft") is not None:
             self.ttft.labels(k).observe(summary["ttft"])

