@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,16 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from jitflow_server.bench.server_process import ServerProcess, free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 DEFAULT_BATCH = 32
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -41,39 +33,13 @@ def shared_data() -> Path:
 
 @contextlib.contextmanager
 def running_server(cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 420):
-    """Run a server command in its own process group until ``/health`` answers 200; yield (url, Popen).
+    """Run a server command (with ``--port``) until ``/health`` answers 200; yield (url, Popen).
 
-    The port must be in ``cmd`` after ``--port``. The whole process group is terminated on exit
-    (vLLM spawns an engine-core and a worker process), killed if it does not stop within 30 s.
+    The whole process group (vLLM's engine-core and worker included) is stopped on exit.
     """
-    port = cmd[cmd.index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as fh:
-        # own process group, not a new session (which the kernel's autogroup scheduling would starve the
-        # test process against): see SERVER_PROCESS_GROUP in jitflow_server/bench/real.py
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env or dict(os.environ),
-                                **({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}))
-    try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[1]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.time() - t0 > timeout:
-                raise RuntimeError(f"{cmd[1]} did not become healthy:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield url, proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    srv = ServerProcess(cmd, log, env, startup_timeout=timeout)
+    with srv:
+        yield srv.base_url, srv.proc
 
 
 def jitflow_exe() -> str:

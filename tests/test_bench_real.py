@@ -8,12 +8,13 @@ import pytest
 
 from jitflow_server.bench.engine_cli import fidelity_diff, policy_params
 from jitflow_server.bench.metrics import summarize
-from jitflow_server.bench.real import EngineBenchError, ServerProcess, free_port, task_key
+from jitflow_server.bench.real import BenchServer, EngineBenchError, task_key
+from jitflow_server.bench.server_process import free_port
 
 
 def test_server_process_reports_a_failed_start_and_leaves_nothing_behind(tmp_path):
     log = tmp_path / "server.log"
-    srv = ServerProcess(model=str(tmp_path / "no-such-model"), policy="gmax", startup_timeout=120, log_path=log)
+    srv = BenchServer(model=str(tmp_path / "no-such-model"), policy="gmax", startup_timeout=120, log_path=log)
     with pytest.raises(EngineBenchError, match="exited"):
         srv.__enter__()
     assert srv.proc is not None and srv.proc.poll() is not None

@@ -26,11 +26,7 @@ import contextlib
 import csv
 import json
 import math
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +37,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+
+from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 
 __all__ = [
     "DemoConfig",
@@ -414,73 +412,11 @@ def summarize(records: list[ReqRecord], tasks: list[dict[str, Any]], duration: f
 
 
 # ---------------------------------------------------------------------- server process
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """``jitflow serve`` as a subprocess in its own process group (killed as a group on stop).
-
-    Args:
-        args: extra ``jitflow serve`` arguments.
-        log_path: file receiving the server's stdout/stderr.
-        env: extra environment variables.
-    """
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.args = args
-        self.log_path = log_path
-        self.env = env or {}
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        """Spawn the server (returns at once)."""
-        cmd = [sys.executable, "-m", "jitflow_server.cli", "serve", *self.args]
-        env = {**os.environ, **self.env}
-        with open(self.log_path, "wb") as fh:
-            # own process group, same session: see SERVER_PROCESS_GROUP in jitflow_server/bench/real.py
-            from jitflow_server.bench.real import SERVER_PROCESS_GROUP
-
-            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, **SERVER_PROCESS_GROUP)
-
-    def alive(self) -> bool:
-        """True while the process runs."""
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n: int = 3000) -> str:
-        """The last ``n`` characters of the server log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the process group, then SIGKILL after ``timeout`` s. Idempotent."""
-        p = self.proc
-        if p is None:
-            return
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # Reap the whole group (engine workers) even if the leader already exited.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
-
-
 def wait_healthy(url: str, server: ServerProcess | None, timeout: float, console: Any) -> float:
-    """Poll ``url/health`` until 200, showing a rich spinner; returns the wait in seconds.
+    """Wait for ``url/health`` with a rich spinner; returns the wait in seconds.
 
     Raises:
-        DemoError: the process exited or ``timeout`` s passed.
+        DemoError: the process exited or ``timeout`` s passed (with the server log's tail).
     """
     import httpx
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -489,18 +425,21 @@ def wait_healthy(url: str, server: ServerProcess | None, timeout: float, console
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=False) as prog:
         tid = prog.add_task(f"starting the jitflow server at {url} (vLLM engine) ...", total=None)
-        while True:
-            if server is not None and not server.alive():
-                raise DemoError(f"the jitflow server exited with code {server.proc.returncode} during start-up; "
-                                f"log tail:\n{server.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    prog.update(tid, description=f"server ready at {url}")
-                    return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout:
-                raise DemoError(f"the server did not become healthy within {timeout:.0f}s"
-                                + (f"; log tail:\n{server.log_tail()}" if server else ""))
-            time.sleep(1.0)
+        if server is not None:
+            try:
+                server.wait_healthy(timeout)
+            except ServerStartError as exc:
+                raise DemoError(str(exc)) from None
+        else:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() - t0 > timeout:
+                    raise DemoError(f"the server at {url} did not become healthy within {timeout:.0f}s")
+                time.sleep(1.0)
+        prog.update(tid, description=f"server ready at {url}")
+    return time.monotonic() - t0
 
 
 # ---------------------------------------------------------------------- load runner
@@ -874,7 +813,7 @@ def run_demo(
                     "--history-db", str(history_db or Path(tmp.name) / "history.sqlite")]
             for p in patterns:
                 args += ["--patterns", str(p)]
-            server = ServerProcess(args, Path(tmp.name) / "server.log",
+            server = ServerProcess(jitflow_command("serve", *args), Path(tmp.name) / "server.log",
                                    env={"JITFLOW_TELEMETRY": str(Path(tmp.name) / "telemetry.jsonl")})
             console.print(f"jitflow demo: model [bold]{model}[/bold], policy [bold]{policy}[/bold], "
                           f"{len(patterns)} pattern corpora, load {cfg.duration:.0f}s "

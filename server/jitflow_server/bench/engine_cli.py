@@ -195,7 +195,7 @@ def register(bench_app: typer.Typer) -> None:
         server's own path (its task manager, compound advisor and length bounds)."""
         from rich.console import Console
 
-        from jitflow_server.bench.real import EngineBenchError, ServerProcess
+        from jitflow_server.bench.real import BenchServer, EngineBenchError
         from jitflow_server.serve import served_policies
 
         pols, data_dir = _common_setup(policies, data, tuple(served_policies()))
@@ -203,7 +203,7 @@ def register(bench_app: typer.Typer) -> None:
         con = Console()
         try:
             args, env = server_setup(out, ds, pm, batch_size, length_scale)
-            with ServerProcess(model, pols[0], batch_size, port, args, log_path=out / "server.log", env=env) as srv:
+            with BenchServer(model, pols[0], batch_size, port, args, log_path=out / "server.log", env=env) as srv:
                 con.print(f"server up at {srv.base_url}")
                 if warmup > 0:
                     from jitflow_server.bench.workload import make_workload
@@ -240,12 +240,12 @@ def register(bench_app: typer.Typer) -> None:
         from rich.progress import Progress
 
         from jitflow_server.bench.profile import profile_engine
-        from jitflow_server.bench.real import EngineBenchError, ServerProcess
+        from jitflow_server.bench.real import BenchServer, EngineBenchError
 
         out.mkdir(parents=True, exist_ok=True)
         con = Console()
         try:
-            with ServerProcess(model, "fcfs", batch_size, port, ["--history-db", str(out / "history.sqlite")],
+            with BenchServer(model, "fcfs", batch_size, port, ["--history-db", str(out / "history.sqlite")],
                                log_path=out / "server.log") as srv:
                 with Progress(transient=True) as prog:
                     t = prog.add_task("profiling", total=(6 if quick else 14))
@@ -302,7 +302,7 @@ def register(bench_app: typer.Typer) -> None:
         from rich.console import Console
 
         from jitflow_server.bench.presets import load_preset
-        from jitflow_server.bench.real import EngineBenchError, ServerProcess
+        from jitflow_server.bench.real import BenchServer, EngineBenchError
         from jitflow_server.bench.runner import RunSettings, run_sim_one
         from jitflow_server.engine.step_model import PresetError, StepModel
 
@@ -339,7 +339,7 @@ def register(bench_app: typer.Typer) -> None:
         else:
             try:
                 args, env = server_setup(out, ds, analyzer_model, batch_size, length_scale)
-                with ServerProcess(model, pols[0], batch_size, port, args, log_path=out / "server.log",
+                with BenchServer(model, pols[0], batch_size, port, args, log_path=out / "server.log",
                                    env=env) as srv:
                     real = run_engine_policies(srv, jobs, pols, waiting_time or None, seed, baseline_delta,
                                                console=con)

@@ -1,7 +1,7 @@
 """Drive the real embedded engine (``jitflow serve``) for ``bench profile``, ``bench fidelity`` and
 ``bench engine``.
 
-:class:`ServerProcess` starts ONE ``jitflow serve`` subprocess in its own process group, waits for
+:class:`BenchServer` starts ONE ``jitflow serve`` subprocess in its own process group, waits for
 ``/health`` and kills the whole group on exit or exception (no leaked vLLM workers).
 :func:`run_jobs_real` replays a benchmark workload (:mod:`jitflow_server.bench.workload`) against
 it over HTTP exactly as a client would, so the server path is what is measured: token-id prompts with
@@ -16,114 +16,47 @@ the simulator, so :func:`jitflow_server.bench.metrics.summarize` compares them l
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 
+from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 from jitflow_server.engine.jobs import Job
-
-#: ``Popen`` keyword for server subprocesses: their own process group (so the engine-core and
-#: worker processes are stopped together with ``killpg``) but NOT a new session. With the kernel's
-#: autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``), a new session is a separate
-#: CPU group, and on the 2-core reference machine (Linux 6.18) the busy engine's group left the
-#: client's processes with almost no CPU: a busy loop got 0.1 s of CPU in 15 s, with 8-s gaps, while
-#: the engine generated; in the same session it got its fair share. Load generators and tests that
-#: timed their requests were then seconds late.
-SERVER_PROCESS_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 
 
 class EngineBenchError(RuntimeError):
     """The server did not start, died, or answered unexpectedly."""
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """Context manager around one ``jitflow serve`` subprocess (own process group).
+class BenchServer(ServerProcess):
+    """``jitflow serve`` for a benchmark: a :class:`~jitflow_server.bench.server_process.ServerProcess`
+    plus the control calls the benchmarks make (policy switch, stats, step log, wait until idle).
 
     Args: ``model`` (demo|tiny|dir), ``policy``, ``batch_size`` B, ``port`` (free one if None),
-    ``extra`` more CLI args, ``startup_timeout`` s, ``log_path`` for the server's stderr/stdout.
-    Raises :class:`EngineBenchError` if ``/health`` is not OK within ``startup_timeout``.
+    ``extra`` more CLI args, ``startup_timeout`` s, ``log_path`` for the server's output, ``env`` extra
+    environment. Raises :class:`EngineBenchError` if ``/health`` is not OK within ``startup_timeout``.
     """
 
     def __init__(self, model: str = "demo", policy: str = "gmax", batch_size: int = 32, port: int | None = None,
                  extra: list[str] | None = None, startup_timeout: float = 300.0, log_path: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
-        self.env = env
         self.model, self.policy, self.batch_size = model, policy, batch_size
-        self.port = port or free_port()
-        self.extra = list(extra or [])
-        self.startup_timeout = startup_timeout
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self._log = None
+        cmd = jitflow_command("serve", "--model", model, "--port", str(port or free_port()), "--policy", policy,
+                              "--batch-size", str(batch_size), *(extra or []))
+        super().__init__(cmd, log_path, env, startup_timeout)
+        self.model_name = model
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> BenchServer:
         import httpx
 
-        exe = Path(sys.executable).with_name("jitflow")
-        cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "jitflow_server.cli"]),
-               "serve", "--model", self.model, "--port", str(self.port), "--policy", self.policy,
-               "--batch-size", str(self.batch_size), *self.extra]
-        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        env = {**os.environ, **self.env} if self.env else None
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, **SERVER_PROCESS_GROUP)
-        t0 = time.time()
         try:
-            while time.time() - t0 < self.startup_timeout:
-                if self.proc.poll() is not None:
-                    raise EngineBenchError(f"jitflow serve exited with code {self.proc.returncode} during startup"
-                                           + (f" (log: {self.log_path})" if self.log_path else ""))
-                try:
-                    r = httpx.get(self.base_url + "/health", timeout=2.0)
-                    if r.status_code == 200:
-                        self.model_name = r.json().get("model", self.model)
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-            raise EngineBenchError(f"jitflow serve not healthy after {self.startup_timeout:.0f} s")
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        """SIGTERM the process group, then SIGKILL after 20 s."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(timeout=10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    pass
-        if p is not None:  # stray workers of the group, if the leader already exited
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self._log not in (None, subprocess.DEVNULL):
-            self._log.close()  # type: ignore[union-attr]
-            self._log = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+            super().__enter__()
+        except ServerStartError as exc:
+            raise EngineBenchError(str(exc)) from None
+        self.model_name = httpx.get(self.base_url + "/health", timeout=10).json().get("model", self.model)
+        return self
 
     # ---- control endpoints ----------------------------------------------------------------------
     def set_policy(self, name: str, params: dict | None = None) -> dict:

@@ -47,6 +47,7 @@ import numpy as np
 from jitflow_server.engine.jobs import Job
 from jitflow_server.engine.step_model import StepModel, cv
 from jitflow_server.scheduler import Kind, Policy, RequestView, SchedContext
+from jitflow_server.scheduler.lifecycle import Lifecycle, RequestState
 from jitflow_server.scheduler.types import SLOSpec
 from jitflow_server.tracker.goodput import evaluate
 from jitflow_server.tracker.steps import StepTimeTracker
@@ -115,14 +116,12 @@ class _Call:
     generated: int = 0
     blocks: int = 0
     running: bool = False
-    scheduled: bool = False
     swapped: int = 0
     cache_evict_at: int = 0  # prefix cache: allocation count at which its first freed block is reused
     cache_blocks: int = 0  # ... how many blocks it freed (0: nothing cached)
     cache_full: int = 0  # ... of which full blocks (reusable)
     bound_at: int = -1
-    n_preempt: int = 0
-    done: bool = False
+    life: Lifecycle | None = None  # the request state machine shared with the vLLM plug-in
     token_times: list = field(default_factory=list)
 
 
@@ -186,7 +185,7 @@ class SimEngine:
             v.deadline = js.t0 + float(job.deadline)
             v.task_id, v.stage_index = job.job_id, s
         call = _Call(rid, js, s, c.input_len, c.output_len, now, v, float(self.rng.standard_normal()),
-                     (job.kind, job.app, s), self.cfg.waiting_time)
+                     (job.kind, job.app, s), self.cfg.waiting_time, life=Lifecycle(now))
         v.len_bound = self.bounder.bound(c.output_len, 0, call.z, call.cls)
         return call
 
@@ -273,13 +272,13 @@ class SimEngine:
             c.computed = 0
             free(c)
             c.running = False
-            c.n_preempt += 1
+            c.life.to(RequestState.PREEMPTED, t)
             c.js.n_preempt += 1
             waiting[c.rid] = c
 
-        def finish_call(c: _Call, now: float, ok: bool) -> None:
+        def finish_call(c: _Call, now: float, ok: bool, end: RequestState | None = None) -> None:
             nonlocal dirty, seq
-            c.done = True
+            c.life.to(end or (RequestState.FINISHED if ok else RequestState.ABORTED), now)
             free(c)
             live.pop(c.rid, None)
             waiting.pop(c.rid, None)
@@ -314,7 +313,7 @@ class SimEngine:
             if not ok and not js.failed:
                 js.failed = True
                 for o in js.calls:  # the agent's task group is cancelled: abort the siblings
-                    if not o.done and o is not c:
+                    if not o.life.done and o is not c:
                         finish_call(o, now, False)
             if js.open_calls == 0 and not js.done:
                 if js.failed or js.stage + 1 >= len(job.stages):
@@ -346,7 +345,7 @@ class SimEngine:
                     if c is None:  # aborted with its task above
                         continue
                     if c.arrival + (c.waiting_time or math.inf) < t:
-                        finish_call(c, t, False)
+                        finish_call(c, t, False, RequestState.REJECTED)  # admission control (JITServe §5)
                     else:
                         break
             if not live:
@@ -360,7 +359,7 @@ class SimEngine:
                     v.generated = c.generated
                     v.running = c.running
                     v.kv_tokens = c.computed if c.running else 0
-                    v.admit_by = None if (c.scheduled or c.waiting_time is None) else c.arrival + c.waiting_time
+                    v.admit_by = c.life.admit_by(c.waiting_time)
                     g50 = c.generated // self.bounder.refine_every
                     if g50 != c.bound_at or v.len_bound <= c.generated:
                         v.len_bound = self.bounder.bound(c.true_len, c.generated, c.z, c.cls)
@@ -426,7 +425,7 @@ class SimEngine:
                     if budget <= 0 or len(sched) >= B:
                         break
                     base = c.swapped or cache_hit(c)
-                    resuming = c.n_preempt > 0 and not c.swapped
+                    resuming = c.life.preemptions > 0 and not c.swapped
                     need = c.input_len + c.generated - base
                     ntok = min(need, budget)
                     nb = -(-(base + ntok) // bs)
@@ -447,7 +446,7 @@ class SimEngine:
                     used_blocks += nb
                     alloc_total += nb - (base // bs)  # the cached blocks are taken back, not allocated
                     c.running = True
-                    c.scheduled = True
+                    c.life.to(RequestState.RUNNING, t)
                     waiting.pop(c.rid, None)
                     unsched.pop(c.rid, None)
                     admitted.append(c)
@@ -527,7 +526,7 @@ class SimEngine:
             if self.on_step is not None:
                 self.on_step(t, step, n, used_blocks)
             for c, _ in sched:
-                if c.generated >= c.true_len and not c.done:
+                if c.generated >= c.true_len and not c.life.done:
                     finish_call(c, t, True)
         # cut-off: whatever is left missed its SLO
         for c in list(live.values()):

@@ -1,0 +1,71 @@
+"""The server's task manager on its own (no HTTP, no engine): typed call advice from the compound advisor,
+server-clock task starts, implicit tasks, conflicts, and the history written on completion."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from jitflow_server.api.schemas import APIError, TaskContext
+from jitflow_server.api.tasks import TaskComplete, TaskCreate, TaskManager
+from jitflow_server.scheduler import Kind
+from jitflow_server.scheduler.types import SLOSpec
+from jitflow_server.store.graph import DEEPRESEARCH_MODEL, PatternGraph
+from jitflow_server.tracker.metrics import RequestTiming
+
+
+def _timing(rid: str, deadline: float | None = None, arrival: float | None = None) -> RequestTiming:
+    return RequestTiming(rid, SLOSpec("compound", deadline=deadline, waiting_time=5.0),
+                         time.time() if arrival is None else arrival, 10)
+
+
+@pytest.fixture()
+def mgr(tmp_path):
+    m = TaskManager(tmp_path / "h.db")
+    yield m
+    m.store.close()
+
+
+def test_unmatched_call_gets_equal_share_of_the_typical_stage_count(mgr):
+    # history exists for another app only: this task's app has neither a match nor a typical stage count
+    mgr.store.insert_many([PatternGraph.from_stage_lengths("app", [[(10, 5)]] * 4, task_id=f"h{i}")
+                           for i in range(3)])
+    t = mgr.create(TaskCreate(task_id="t1", app="other-app", deadline=40.0, start_time=1.0))
+    assert abs(t.t0 - time.time()) < 5 and t.metadata["client_start_time"] == 1.0  # server clock
+    adv = mgr.advise_call(TaskContext(task_id="t1", stage_index=0), "m", "r1", 10, 64, _timing("r1"))
+    assert adv.slo.kind is Kind.COMPOUND and adv.slo.waiting_time == 5.0
+    assert adv.task_id == "t1" and adv.stage_index == 0 and adv.app == "other-app"
+    assert adv.sub_deadline == pytest.approx(t.t0 + 40.0)  # no history for this app: the whole deadline
+    assert adv.len_bound is None and adv.task_tokens_est is None
+
+
+def test_matched_call_gets_the_pattern_share_and_a_stage_length_bound(mgr):
+    hist = [[(100, 50)], [(200, 300), (200, 280)], [(300, 20)]]
+    mgr.store.insert_many([PatternGraph.from_stage_lengths("app", hist, task_id=f"h{i}") for i in range(5)])
+    t = mgr.create(TaskCreate(task_id="t2", app="app", deadline=30.0))
+    ctx0 = TaskContext(task_id="t2", stage_index=0, call_id="c0")
+    adv = mgr.advise_call(ctx0, DEEPRESEARCH_MODEL, "r0", 100, 500, _timing("r0"))
+    assert adv.task_tokens_est == sum(i + o for st in hist for i, o in st)
+    assert adv.len_bound == int(1.2 * 50) + 1  # the matched stage's longest output, with headroom
+    assert t.t0 < adv.sub_deadline < t.t0 + 30.0  # a share of the deadline, not all of it
+    capped = mgr.advise_call(TaskContext(task_id="t2", stage_index=0, call_id="c0b"), DEEPRESEARCH_MODEL, "r0b", 100, 8,
+                             _timing("r0b"))
+    assert capped.len_bound == 8  # never above max_tokens
+
+
+def test_implicit_task_needs_a_deadline_and_completed_tasks_refuse_calls(mgr):
+    with pytest.raises(APIError) as ei:
+        mgr.advise_call(TaskContext(task_id="nope"), "m", "r", 1, 8, _timing("r"))
+    assert ei.value.status == 400 and ei.value.param == "jitflow.task_id"
+    adv = mgr.advise_call(TaskContext(task_id="imp"), "m", "r2", 1, 8, _timing("r2", deadline=12.0))
+    assert mgr.get("imp").implicit and adv.slo.deadline == pytest.approx(12.0, abs=0.1)
+    timing = _timing("r2")
+    timing.add_tokens(3)
+    mgr.on_call_end(TaskContext(task_id="imp"), "r2", timing, ok=True)
+    done = mgr.complete("imp", TaskComplete(outcome="succeeded"))
+    assert done.outcome == "succeeded" and done.stored_graph_id is not None
+    assert mgr.store.get(done.stored_graph_id).graph.nodes[0].output_len == 3
+    with pytest.raises(APIError) as ei:
+        mgr.advise_call(TaskContext(task_id="imp"), "m", "r3", 1, 8, _timing("r3"))
+    assert ei.value.status == 409
