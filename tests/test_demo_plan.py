@@ -22,16 +22,18 @@ from jitflow_server.demo import (
     build_plan,
     load_alpaca,
     plot_report,
-    summarize,
+    summarize_run,
 )
 
 
 def _write_azure(path: Path, gaps: list[float]) -> None:
-    t = 46.0
+    from datetime import datetime, timedelta
+
+    t = datetime(2023, 11, 16, 18, 15, 46)
     lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
     for g in [0.0, *gaps]:
-        t += g
-        lines.append(f"2023-11-16 18:15:{t:010.7f},100,20")
+        t += timedelta(seconds=g)
+        lines.append(f"{t:%Y-%m-%d %H:%M:%S.%f}0,100,20")  # the trace's 7 fractional digits
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -129,7 +131,7 @@ def test_summarize_counts_goodput_per_kind():
     tasks = [{"outcome": "succeeded", "tokens": 1000, "elapsed": 30.0},
              {"outcome": "deadline_missed", "tokens": 800, "elapsed": 70.0},
              {"outcome": "failed", "tokens": 10, "elapsed": None}]
-    s = summarize(recs, tasks, duration=10.0)
+    s = summarize_run(recs, tasks, duration=10.0)
     assert s["chat"]["n"] == 3 and s["chat"]["met"] == 1 and s["chat"]["attainment"] == pytest.approx(1 / 3)
     assert s["chat"]["goodput_tokens"] == 70 and s["chat"]["rejected"] == 1
     assert s["deadline"]["goodput_tokens"] == 130 and s["deadline"]["unfinished"] == 1
@@ -138,7 +140,7 @@ def test_summarize_counts_goodput_per_kind():
     assert s["compound"]["p50_e2el"] == pytest.approx(50.0)
     assert s["all"]["goodput_tokens"] == 1200 and s["all"]["goodput_tok_s"] == pytest.approx(120.0)
     assert s["all"]["attainment"] == pytest.approx(3 / 8)
-    empty = summarize([], [], 1.0)
+    empty = summarize_run([], [], 1.0)
     assert empty["chat"]["attainment"] is None and math.isclose(empty["all"]["goodput_tok_s"], 0.0)
 
 
@@ -147,7 +149,7 @@ def test_plot_report_writes_a_png(tmp_path):
     task = {"t": 1.0, "app": "deep-research", "outcome": "succeeded", "deadline": 60.0,
             "stages": [{"name": "generate_query", "start": 0.0, "end": 2.0, "sub_deadline": 8.0},
                        {"name": "web_research", "start": 2.0, "end": 9.0, "sub_deadline": 30.0}]}
-    runs = [{"policy": p, "summary": summarize([], [task], 10.0), "records": recs, "tasks": [task]}
+    runs = [{"policy": p, "summary": summarize_run([], [task], 10.0), "records": recs, "tasks": [task]}
             for p in ("gmax", "fcfs")]
     out = tmp_path / "r.png"
     plot_report({"runs": runs, "model": "tiny", "config": {"ttft": 2.0}, "plan": {"counts": {}}}, out)

@@ -11,16 +11,13 @@ from pathlib import Path
 
 import anyio
 import pytest
+from examples.deep_research import ResearchConfig, run_research
+from examples.tree_of_thoughts import ToTConfig, run_tot
+from examples.tree_of_thoughts.game24 import initial_state, legal_moves
+
+import jitflow
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from examples.deep_research import ResearchConfig, run_research  # noqa: E402
-from examples.tree_of_thoughts import ToTConfig, run_tot  # noqa: E402
-from examples.tree_of_thoughts.game24 import initial_state, legal_moves  # noqa: E402
-
-import jitflow  # noqa: E402
 
 pytestmark = pytest.mark.engine
 

@@ -7,23 +7,19 @@ import json
 import random
 import re
 import socket
-import sys
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from examples._common import clamp_items, jitflow_error, parse_json_object
+from examples.deep_research.agent import ResearchConfig, query_schema, reflection_schema
+from examples.deep_research.search import SearchIndex, default_index, tokenize
+from examples.tree_of_thoughts.agent import ToTConfig, propose_schema, value_schema
+from examples.tree_of_thoughts.game24 import TARGET, initial_state, legal_moves, solve
+
+import jitflow
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from examples._common import clamp_items, jitflow_error, parse_json_object  # noqa: E402
-from examples.deep_research.agent import ResearchConfig, query_schema, reflection_schema  # noqa: E402
-from examples.deep_research.search import SearchIndex, default_index, tokenize  # noqa: E402
-from examples.tree_of_thoughts.agent import ToTConfig, propose_schema, value_schema  # noqa: E402
-from examples.tree_of_thoughts.game24 import TARGET, initial_state, legal_moves, solve  # noqa: E402
-
-import jitflow  # noqa: E402
 
 
 def _eval_expr(expr: str) -> Fraction:

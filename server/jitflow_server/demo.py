@@ -23,7 +23,6 @@ holds the first run's tasks). The server is always stopped (process-group kill).
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import math
 import random
@@ -32,7 +31,6 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,14 +40,14 @@ from jitflow_server.bench.server_process import ServerProcess, ServerStartError,
 
 __all__ = [
     "DemoConfig",
-    "Job",
+    "LoadItem",
     "Plan",
     "ReqRecord",
     "DemoError",
     "build_plan",
     "azure_arrivals",
     "load_alpaca",
-    "summarize",
+    "summarize_run",
     "plot_report",
     "run_demo",
     "register",
@@ -168,8 +166,9 @@ TOT_PUZZLES = [
 
 # ---------------------------------------------------------------------- plan
 @dataclass
-class Job:
-    """One scheduled unit of load.
+class LoadItem:
+    """One scheduled unit of the demo's load, run by the SDK (a chat or deadline request, or an agent task;
+    the benchmarks' token-length replay uses ``engine.jobs.Job`` instead).
 
     Attributes:
         t: start offset from the beginning of the load (s).
@@ -193,7 +192,7 @@ class Job:
 class Plan:
     """The full open-loop load: jobs sorted by start time plus where prompts/arrivals came from."""
 
-    jobs: list[Job]
+    jobs: list[LoadItem]
     prompt_source: str
     arrival_source: str
 
@@ -233,14 +232,6 @@ def load_alpaca(data_dir: Path) -> list[tuple[str, int]]:
     return sorted(seen.items())
 
 
-def _parse_azure_ts(s: str) -> float:
-    """``2023-11-16 18:15:46.6805900`` -> seconds since the epoch (naive, UTC assumed)."""
-    date, _, clock = s.strip().partition(" ")
-    hh, mm, ss = clock.split(":")
-    day = datetime.strptime(date, "%Y-%m-%d")
-    return day.timestamp() + int(hh) * 3600 + int(mm) * 60 + float(ss)
-
-
 def azure_arrivals(path: Path, n: int, rate: float, rng: random.Random) -> list[float]:
     """``n`` arrival offsets (s, starting at 0) from a window of the Azure LLM trace, rescaled so
     that the mean rate is ``rate`` requests/s (inter-arrival ratios, i.e. burstiness, are kept).
@@ -251,11 +242,12 @@ def azure_arrivals(path: Path, n: int, rate: float, rng: random.Random) -> list[
     """
     if n < 1 or rate <= 0:
         raise ValueError("need n >= 1 and rate > 0")
+    from jitflow_server.bench.workload import WorkloadError, load_azure_trace
+
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
-            ts = [_parse_azure_ts(row["TIMESTAMP"]) for row in csv.DictReader(fh)]
-    except (OSError, KeyError, ValueError) as e:
-        raise DemoError(f"{path}: not an Azure LLM trace CSV (TIMESTAMP column): {e}") from e
+        ts = load_azure_trace(path)[0].tolist()
+    except WorkloadError as e:
+        raise DemoError(str(e)) from e
     if len(ts) < n + 1:
         raise DemoError(f"{path}: {len(ts)} rows, need {n + 1}")
     start = rng.randrange(0, len(ts) - n)
@@ -309,22 +301,22 @@ def build_plan(cfg: DemoConfig, data_dir: Path | None = None) -> Plan:
                 arrivals.append(t)
                 t += rng.expovariate(rate)
     arrivals = [a for a in arrivals if a < cfg.duration]
-    jobs: list[Job] = []
+    jobs: list[LoadItem] = []
     for i, t in enumerate(arrivals):
         prompt, words = prompts[i % len(prompts)]
         is_chat = rng.random() < (cfg.chat_rate / rate)
         lo, hi = cfg.chat_tokens if is_chat else cfg.deadline_tokens
         want = int(words * 1.3) if words else rng.randint(lo, hi)
-        jobs.append(Job(t, "chat" if is_chat else "deadline", prompt, max(lo, min(hi, want)),
+        jobs.append(LoadItem(t, "chat" if is_chat else "deadline", prompt, max(lo, min(hi, want)),
                         deadline=None if is_chat else cfg.deadline))
     for kind, count, dl in (("research", cfg.research_tasks, cfg.research_deadline),
                             ("tot", cfg.tot_tasks, cfg.tot_deadline)):
         span = max(cfg.duration - dl, cfg.duration / 2)
         for k, t in enumerate(_spread(count, span, rng)):
             if kind == "research":
-                jobs.append(Job(t, kind, RESEARCH_QUESTIONS[k % len(RESEARCH_QUESTIONS)], deadline=dl))
+                jobs.append(LoadItem(t, kind, RESEARCH_QUESTIONS[k % len(RESEARCH_QUESTIONS)], deadline=dl))
             else:
-                jobs.append(Job(t, kind, None, numbers=list(TOT_PUZZLES[k % len(TOT_PUZZLES)]), deadline=dl))
+                jobs.append(LoadItem(t, kind, None, numbers=list(TOT_PUZZLES[k % len(TOT_PUZZLES)]), deadline=dl))
     jobs.sort(key=lambda j: (j.t, j.kind))
     for i, j in enumerate(jobs):
         j.idx = i
@@ -362,7 +354,7 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(records: list[ReqRecord], tasks: list[dict[str, Any]], duration: float) -> dict[str, dict[str, Any]]:
+def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duration: float) -> dict[str, dict[str, Any]]:
     """Per-kind SLO attainment and goodput.
 
     Args:
@@ -444,7 +436,12 @@ def wait_healthy(url: str, server: ServerProcess | None, timeout: float, console
 
 # ---------------------------------------------------------------------- load runner
 def _import_examples() -> tuple[Any, Any]:
-    """``(run_research, run_tot)`` from the repository's ``examples`` package, or ``(None, None)``."""
+    """``(run_research, run_tot)`` from the repository's ``examples`` package, or ``(None, None)``.
+
+    The example apps are not installed with the package (a top-level ``examples`` package would clash
+    with other projects'), so the demo adds the source checkout's root to ``sys.path``, as
+    ``python -m examples...`` from the root does.
+    """
     if (REPO_ROOT / "examples" / "__init__.py").is_file() and str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     try:
@@ -455,7 +452,7 @@ def _import_examples() -> tuple[Any, Any]:
     return run_research, run_tot
 
 
-async def _run_request(client: Any, job: Job, cfg: DemoConfig, model: str) -> ReqRecord:
+async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) -> ReqRecord:
     import jitflow
 
     msgs = [{"role": "user", "content": job.prompt or ""}]
@@ -525,7 +522,7 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
     async with client:
         model = model or (await client.models.list()).data[0].id
 
-        async def run_job(job: Job) -> None:
+        async def run_job(job: LoadItem) -> None:
             started.add(job.idx)
             if job.kind in ("chat", "deadline"):
                 done[job.idx] = await _run_request(client, job, cfg, model)
@@ -589,7 +586,7 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
             out["t"] = job.t
             out["input"] = job.prompt if job.kind == "research" else " ".join(map(str, job.numbers or []))
             res.tasks.append(out)
-    res.summary = summarize(res.records, res.tasks, cfg.duration)
+    res.summary = summarize_run(res.records, res.tasks, cfg.duration)
     return res
 
 

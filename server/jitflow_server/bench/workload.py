@@ -49,6 +49,31 @@ def default_data_dir() -> Path | None:
     return p if p.is_dir() else None
 
 
+def load_azure_trace(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The Azure LLM inference trace (2023) CSV: arrival times (s from the first row, float array) and
+    ``(ContextTokens, GeneratedTokens)`` pairs (int array of shape (n, 2)).
+
+    Raises :class:`WorkloadError` for an unreadable file or a row without those columns.
+    """
+    times, pairs = [], []
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            for row in csv.DictReader(fh):
+                ts = row["TIMESTAMP"].strip()
+                if "." in ts:  # 7 fractional digits: trim to microseconds for datetime
+                    a, b = ts.split(".")
+                    ts = a + "." + b[:6]
+                times.append(datetime.fromisoformat(ts).timestamp())
+                pairs.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+    except (OSError, KeyError, ValueError) as e:
+        raise WorkloadError(f"{path}: not an Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens): "
+                            f"{e}") from e
+    if not times:
+        raise WorkloadError(f"{path}: no rows")
+    t = np.asarray(times)
+    return t - t[0], np.asarray(pairs, dtype=np.int64)
+
+
 @dataclass
 class DataSources:
     """Length and arrival sources loaded once (``None`` fields fall back to built-in distributions)."""
@@ -72,19 +97,7 @@ class DataSources:
             raise WorkloadError(f"--data {data_dir} is not a directory")
         conv = data_dir / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
         if conv.exists():
-            times, pairs = [], []
-            with conv.open() as fh:
-                for row in csv.DictReader(fh):
-                    ts = row["TIMESTAMP"]
-                    # 7 fractional digits: trim to microseconds for datetime
-                    if "." in ts:
-                        a, b = ts.split(".")
-                        ts = a + "." + b[:6]
-                    times.append(datetime.fromisoformat(ts).timestamp())
-                    pairs.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-            t = np.asarray(times)
-            ds.azure_times = t - t[0]
-            ds.pairs = np.asarray(pairs, dtype=np.int64)
+            ds.azure_times, ds.pairs = load_azure_trace(conv)
             ds.origin["single"] = ds.origin["arrivals"] = str(conv)
         dr = data_dir / "deepresearch" / "deepresearch_training.json"
         if dr.exists():
