@@ -125,6 +125,9 @@ class LengthService:
         self._refit_thread: threading.Thread | None = None
         self._tel_lock = threading.Lock()
         self.stats = {"submitted": 0, "predicted": 0, "batches": 0, "observed": 0, "refits": 0, "errors": 0}
+        #: Called (on the worker thread, without arguments) after each batch of model bounds is published,
+        #: so a consumer can push them at once instead of polling :meth:`latest`. Must not block.
+        self.on_published: Any = None
         self._worker = threading.Thread(target=self._run, name="jitflow-length", daemon=True)
         self._worker.start()
 
@@ -341,6 +344,11 @@ class LengthService:
                     self._bounds[j.req_id] = b
             self.stats["predicted"] += len(live)
             self.stats["batches"] += 1
+        if self.on_published is not None:
+            try:
+                self.on_published()
+            except Exception:  # a consumer's bug must not stop the predictor
+                logger.exception("on_published callback failed")
 
     @staticmethod
     def _featurize(reqs: list[_Req], counter: TokenCounter) -> None:

@@ -67,7 +67,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
             await asyncio.to_thread(engine.start)
         await attach_tasks(app, state)
         if settings.length_predictor:
-            state.length = await asyncio.to_thread(_length_service, state)
+            state.attach_length_service(await asyncio.to_thread(_length_service, state))
         pusher = asyncio.create_task(state.push_bounds(), name="push-length-bounds")
         try:
             yield

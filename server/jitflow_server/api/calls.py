@@ -127,6 +127,7 @@ class LiveCall:
             return
         svc.submit(self.rid, self.prompt_text, model=self.state.model_name, max_tokens=self.request.max_tokens,
                    generated_text="".join(self.text), generated_tokens=n)
+        self.state.bounds_changed()
 
     async def next(self) -> Event:
         """The next queue event."""

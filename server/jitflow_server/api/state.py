@@ -32,7 +32,8 @@ class ServerSettings:
     (s, JITServe §5); ``best_effort_waiting_time``: the same for best-effort requests (``None``: never
     rejected); ``default_max_tokens``: output cap when a request gives none (tokens);
     ``length_predictor``: run the output-length predictor (QRF, JITServe §4.1); ``bound_push_period``:
-    how often refined length bounds are sent to the engine (s).
+    the longest a refined length bound waits before it is sent to the engine (s; it is sent at once
+    when the predictor publishes it).
     """
 
     default_waiting_time: float = 5.0
@@ -59,6 +60,17 @@ class ServerState:
         #: Recent request lifecycle events seen by the HTTP server ``(unix s, event, request id, detail)``:
         #: arrive / first_token / done / abort (diagnostics, bounded; ``GET /v1/jitflow/engine/events``).
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
+        self._bounds_ready = asyncio.Event()
+
+    def attach_length_service(self, svc: LengthService) -> None:
+        """Use ``svc`` for length bounds and wake the bound pusher whenever it publishes new ones."""
+        loop = asyncio.get_running_loop()
+        self.length = svc
+        svc.on_published = lambda: loop.call_soon_threadsafe(self._bounds_ready.set)
+
+    def bounds_changed(self) -> None:
+        """Wake the bound pusher (a bound may have changed on this thread, e.g. the fallback's)."""
+        self._bounds_ready.set()
 
     @property
     def model_name(self) -> str:
@@ -92,7 +104,11 @@ class ServerState:
         bound it was given and never waits for a prediction.
         """
         while True:
-            await asyncio.sleep(self.settings.bound_push_period)
+            try:
+                await asyncio.wait_for(self._bounds_ready.wait(), self.settings.bound_push_period)
+            except asyncio.TimeoutError:
+                pass
+            self._bounds_ready.clear()
             upd = self.refined_bounds()
             if not upd:
                 continue
