@@ -19,8 +19,6 @@ NOT_YET_SPLIT = {
     "server/jitflow_server/analyzer/length.py",
     "server/jitflow_server/scheduler/gmax.py",
     "server/jitflow_server/engine/sim.py",
-    "server/jitflow_server/engine/plugin.py",
-    "server/jitflow_server/bench/engine_cli.py",
     "sdk/jitflow/_task.py",
 }
 

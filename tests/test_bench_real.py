@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from jitflow_server.bench.engine_cli import fidelity_diff, policy_params
+from jitflow_server.bench.engine_cli import policy_params
+from jitflow_server.bench.fidelity_cli import fidelity_diff
 from jitflow_server.bench.metrics import summarize
 from jitflow_server.bench.real import BenchServer, EngineBenchError, task_key
 from jitflow_server.bench.server_process import free_port

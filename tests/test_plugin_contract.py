@@ -12,23 +12,23 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from jitflow_server.engine import plugin  # noqa: E402
+from jitflow_server.engine import plugin, vllm_compat  # noqa: E402
 from jitflow_server.engine.protocol import EngineCall  # noqa: E402
 from jitflow_server.scheduler import Kind  # noqa: E402
 from jitflow_server.scheduler.hints import SchedHints  # noqa: E402
 
 
 def test_installed_vllm_has_every_scheduler_internal_the_plugin_uses():
-    assert plugin.missing_vllm_internals() == []
+    assert vllm_compat.missing_vllm_internals() == []
 
 
 def test_missing_internals_are_reported_by_name():
     class Stripped:
         def schedule(self): ...
 
-    assert "_preempt_request" in plugin.missing_vllm_internals(Stripped)
-    assert "schedule" not in plugin.missing_vllm_internals(Stripped)
-    assert "max_num_running_reqs" in plugin.missing_vllm_internals(Stripped())
+    assert "_preempt_request" in vllm_compat.missing_vllm_internals(Stripped)
+    assert "schedule" not in vllm_compat.missing_vllm_internals(Stripped)
+    assert "max_num_running_reqs" in vllm_compat.missing_vllm_internals(Stripped())
 
 
 def test_control_method_is_installed_on_engine_core():
@@ -69,4 +69,4 @@ def test_scheduler_sets_every_instance_attribute_the_plugin_reads():
     from vllm.v1.core.sched.scheduler import Scheduler
 
     src = inspect.getsource(Scheduler.__init__)
-    assert [a for a in plugin.VLLM_ATTRIBUTES if f"self.{a}" not in src] == []
+    assert [a for a in vllm_compat.VLLM_ATTRIBUTES if f"self.{a}" not in src] == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from jitflow_server.bench import engine_cli, frame_cli, sim_cli, stepfit
+from jitflow_server.bench import engine_cli, fidelity_cli, frame_cli, sim_cli, stepfit
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -12,4 +12,5 @@ def register(bench_app: typer.Typer) -> None:
     frame_cli.register(bench_app)
     sim_cli.register(bench_app)
     engine_cli.register(bench_app)
+    fidelity_cli.register(bench_app)
     stepfit.register(bench_app)

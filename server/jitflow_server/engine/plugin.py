@@ -19,8 +19,7 @@ by (1) preempting the chosen victims through vLLM's own ``_preempt_request``
 chosen running requests in plan order and a waiting queue holding only the chosen
 waiting requests, with the active cap set to B, (3) restoring the hidden requests
 afterwards. Hidden running requests keep their KV (paused, not preempted). The scheduler
-internals this relies on are listed in :data:`VLLM_METHODS` and :data:`VLLM_ATTRIBUTES` and
-checked at start-up.
+internals this relies on are listed in ``engine/vllm_compat.py`` and checked at start-up.
 
 Control calls from the jitflow server (:class:`~jitflow_server.engine.protocol.EngineCall`: push
 refined hints, reject requests not admitted within their ``waiting_time`` (JITServe §5 admission
@@ -45,6 +44,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
 from jitflow_server.engine.protocol import EngineCall
+from jitflow_server.engine.vllm_compat import TESTED_VLLM, missing_vllm_internals
 from jitflow_server.scheduler import RequestView, SchedContext, make_policy
 from jitflow_server.scheduler.hints import SIMULATOR_ONLY, HintsError, HintUpdate, SchedHints
 from jitflow_server.scheduler.lifecycle import IllegalTransition, Lifecycle, RequestState
@@ -59,23 +59,6 @@ PASSTHROUGH = {"fcfs", "vllm"}
 _DONE_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 #: The engine-core utility method that carries control calls (see the module docstring).
 CONTROL_METHOD = "jitflow_control"
-#: vLLM versions the plug-in was tested with; others are checked against :data:`VLLM_INTERNALS`.
-TESTED_VLLM = ("0.32.0",)
-#: ``Scheduler`` methods the plug-in calls or overrides, and instance attributes it reads or sets.
-#: A vLLM without one of them cannot run the plug-in (checked when the scheduler is built).
-VLLM_METHODS = ("_preempt_request", "_is_blocked_waiting_status", "update_from_output", "finish_requests",
-                "add_request", "schedule", "get_num_unfinished_requests", "pause_state")
-VLLM_ATTRIBUTES = ("max_num_running_reqs", "max_num_active_reqs", "running", "waiting", "requests",
-                   "block_size", "cache_config", "vllm_config")
-
-
-def missing_vllm_internals(sched: object | type = Scheduler) -> list[str]:
-    """Names of :data:`VLLM_METHODS` (and, for an instance, :data:`VLLM_ATTRIBUTES`) that ``sched``
-    (a ``Scheduler`` class or instance) lacks."""
-    names = VLLM_METHODS + (() if isinstance(sched, type) else VLLM_ATTRIBUTES)
-    return [n for n in names if not hasattr(sched, n)]
-
-
 class _Meta:
     """What the plug-in keeps per engine request: its hints on the engine's monotonic clock."""
 
