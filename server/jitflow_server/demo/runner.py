@@ -1,0 +1,157 @@
+"""Runs a demo plan against a server with the SDK: chat and deadline requests, and the example agents
+(deep research, Tree of Thoughts) as compound tasks, with a live progress line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from jitflow_server.demo.plan import REPO_ROOT, DemoConfig, LoadItem, Plan
+from jitflow_server.demo.results import ReqRecord, RunResult, summarize_run
+
+
+# ---------------------------------------------------------------------- load runner
+def _import_examples() -> tuple[Any, Any]:
+    """``(run_research, run_tot)`` from the repository's ``examples`` package, or ``(None, None)``.
+
+    The example apps are not installed with the package (a top-level ``examples`` package would clash
+    with other projects'), so the demo adds the source checkout's root to ``sys.path``, as
+    ``python -m examples...`` from the root does.
+    """
+    if (REPO_ROOT / "examples" / "__init__.py").is_file() and str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from examples.deep_research import run_research
+        from examples.tree_of_thoughts import run_tot
+    except ImportError:
+        return None, None
+    return run_research, run_tot
+
+
+async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) -> ReqRecord:
+    import jitflow
+
+    msgs = [{"role": "user", "content": job.prompt or ""}]
+    try:
+        if job.kind == "chat":
+            stream = await client.chat.completions.create(
+                model=model, messages=msgs, max_tokens=job.max_tokens, stream=True,
+                slo=jitflow.Latency(ttft=cfg.ttft, tbt=cfg.tbt))
+            async with stream:
+                async for _ in stream:
+                    pass
+            timing, usage = stream.timing, stream.usage
+        else:
+            r = await client.chat.completions.create(
+                model=model, messages=msgs, max_tokens=job.max_tokens,
+                slo=jitflow.Deadline(job.deadline or cfg.deadline))
+            timing, usage = r.jitflow, r.usage
+    except jitflow.AdmissionRejectedError as e:
+        return ReqRecord(job.kind, job.t, "rejected", error=str(e)[:200])
+    except Exception as e:  # jitflow.APIError and anything unexpected: counted, never fatal to the demo
+        return ReqRecord(job.kind, job.t, "error", error=f"{type(e).__name__}: {e}"[:200])
+    rec = ReqRecord(job.kind, job.t, "ok")
+    if usage is not None:
+        rec.prompt_tokens, rec.output_tokens = usage.prompt_tokens, usage.completion_tokens
+    if timing is not None:
+        rec.slo_met = bool(timing.slo_met)
+        rec.ttft, rec.e2el = timing.ttft, timing.e2el
+        extra = timing.model_extra or {}
+        if isinstance(extra.get("token_goodput"), int):
+            rec.goodput = extra["token_goodput"]
+        elif rec.slo_met:
+            rec.goodput = rec.output_tokens if job.kind == "chat" else rec.prompt_tokens + rec.output_tokens
+    return rec
+
+
+
+async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: Any,
+                   model: str | None = None) -> RunResult:
+    """Drive ``plan`` against the server at ``url`` (open loop) and collect the outcomes.
+
+    Jobs start at their offsets; after the last arrival the run waits at most ``cfg.grace``
+    seconds for in-flight work, then cancels it (recorded as ``unfinished``, counted as missed).
+    """
+    import anyio
+    import httpx
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import jitflow
+
+    run_research, run_tot = _import_examples()
+    res = RunResult(policy)
+    done: dict[int, Any] = {}
+    started: set[int] = set()
+    transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
+    client = jitflow.AsyncClient(base_url=url, transport=transport, timeout=httpx.Timeout(600, connect=10),
+                                 telemetry_flush_timeout=2.0)
+    async with client:
+        model = model or (await client.models.list()).data[0].id
+
+        async def run_job(job: LoadItem) -> None:
+            started.add(job.idx)
+            if job.kind in ("chat", "deadline"):
+                done[job.idx] = await _run_request(client, job, cfg, model)
+                return
+            app = "deep-research" if job.kind == "research" else "tree-of-thoughts"
+            try:
+                if job.kind == "research":
+                    r = await run_research(job.prompt, deadline=job.deadline, client=client, model=model)
+                else:
+                    r = await run_tot(job.numbers, deadline=job.deadline, client=client, model=model)
+                done[job.idx] = r.report.to_dict()
+            except Exception as e:  # an app bug must not abort the whole demo: report it as failed
+                done[job.idx] = {"app": app, "task_id": "", "outcome": "failed", "deadline": job.deadline,
+                                 "elapsed": None, "stages": [], "tokens": 0, "error": f"{type(e).__name__}: {e}"}
+
+        jobs = [j for j in plan.jobs if j.kind in ("chat", "deadline") or run_research is not None]
+        t0 = time.monotonic()
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as prog:
+            bar = prog.add_task(f"[{policy}] load", total=cfg.duration)
+
+            def describe(phase: str) -> str:
+                c = {k: 0 for k in ("chat", "deadline", "research", "tot")}
+                for j in jobs:
+                    if j.idx in done:
+                        c[j.kind] += 1
+                return (f"[{policy}] {phase}: done chat {c['chat']} deadline {c['deadline']} "
+                        f"research {c['research']} tot {c['tot']} / {len(jobs)}; in flight {len(started) - len(done)}")
+
+            async def ticker() -> None:
+                while True:
+                    prog.update(bar, completed=min(cfg.duration, time.monotonic() - t0),
+                                description=describe("load" if time.monotonic() - t0 < cfg.duration else "drain"))
+                    await anyio.sleep(0.5)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                async with anyio.create_task_group() as jobs_tg:
+                    for job in jobs:
+                        delay = t0 + job.t - time.monotonic()
+                        if delay > 0:
+                            await anyio.sleep(delay)
+                        jobs_tg.start_soon(run_job, job)
+                    wait_end = max(t0 + cfg.duration - time.monotonic(), 0) + cfg.grace
+                    with anyio.move_on_after(wait_end):
+                        while len(done) < len(jobs):
+                            await anyio.sleep(0.2)
+                    jobs_tg.cancel_scope.cancel()
+                tg.cancel_scope.cancel()
+            prog.update(bar, completed=cfg.duration, description=describe("finished"))
+        res.wall = time.monotonic() - t0
+    for job in jobs:
+        out = done.get(job.idx)
+        if job.kind in ("chat", "deadline"):
+            res.records.append(out if out is not None else ReqRecord(job.kind, job.t, "unfinished"))
+        else:
+            if out is None:
+                out = {"app": "deep-research" if job.kind == "research" else "tree-of-thoughts", "task_id": "",
+                       "outcome": "unfinished", "deadline": job.deadline, "elapsed": None, "stages": [],
+                       "tokens": 0, "error": "still running when the demo ended"}
+            out = dict(out)
+            out["t"] = job.t
+            out["input"] = job.prompt if job.kind == "research" else " ".join(map(str, job.numbers or []))
+            res.tasks.append(out)
+    res.summary = summarize_run(res.records, res.tasks, cfg.duration)
+    return res
