@@ -17,7 +17,6 @@ MAX_LINES = 500
 NOT_YET_SPLIT = {
     "server/jitflow_server/analyzer/length.py",
     "server/jitflow_server/scheduler/gmax.py",
-    "sdk/jitflow/_task.py",
 }
 
 

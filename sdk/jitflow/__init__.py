@@ -25,6 +25,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from ._agent import agent, configure, get_client, tool
 from ._calls import CallRecord
 from ._client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient, Client
 from ._context import current_stage, current_task
@@ -46,7 +47,7 @@ from ._exceptions import (
 )
 from ._slo import SLO, BestEffort, Compound, Deadline, Latency, parse_slo
 from ._streaming import AsyncStream, Stream
-from ._task import Stage, StageScope, Task, TaskScope, agent, configure, get_client, stage, tool
+from ._task import Stage, StageScope, Task, TaskScope, stage
 from ._telemetry import TelemetryStats, TelemetryWarning
 from ._types import (
     ChatCompletion,
