@@ -13,8 +13,7 @@ import math
 import time
 import uuid
 import warnings
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from opentelemetry import context as otel_context
@@ -32,7 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Task", "Stage", "TaskScope", "StageScope", "stage"]
 
 OnDeadline = Literal["raise", "best_effort"]
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _check_deadline(deadline: Any) -> float:
