@@ -6,7 +6,6 @@ clean-up without a model."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -15,22 +14,17 @@ import pytest
 import uvicorn
 
 from jitflow_server.api.app import ServerSettings, create_app
+from jitflow_server.bench.server_process import free_port
 from jitflow_server.engine.fake import FakeEngine
 from jitflow_server.scheduler import Kind
 
 MSG = [{"role": "user", "content": "plan the trip"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def serve(engine: FakeEngine, settings: ServerSettings | None = None):
     """Run the app on 127.0.0.1 in a background thread; yields the base URL; stops it on exit."""
-    port = _free_port()
+    port = free_port()
     app = create_app(engine, settings or ServerSettings(), owns_engine=True)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)

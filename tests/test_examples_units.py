@@ -164,7 +164,7 @@ def test_corpus_file_is_valid_jsonl():
 
 
 def test_pattern_corpora_load_and_use_the_apps_stage_names():
-    from jitflow_server.store.graph import read_jsonl
+    from jitflow_server.store.jsonl import read_jsonl
 
     dr = list(read_jsonl(REPO / "patterns" / "deep-research.jsonl"))
     tot = list(read_jsonl(REPO / "patterns" / "tree-of-thoughts.jsonl"))

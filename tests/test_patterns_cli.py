@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from jitflow_server.cli import app
-from jitflow_server.store.graph import PatternGraph, read_jsonl
+from jitflow_server.store.graph import PatternGraph
+from jitflow_server.store.jsonl import read_jsonl
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEEPRESEARCH = DATA / "deepresearch" / "deepresearch_training.json"

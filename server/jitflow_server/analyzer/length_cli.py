@@ -55,7 +55,7 @@ def _latency(fn: Any, args_list: list[Any]) -> dict[str, float]:
 def run_eval(train_files: list[Path], test_files: list[Path], quantile: float, out: Path, *, folds: int = 2,
              warmup: int = 100, step: float = 0.05, n_estimators: int = 100, max_depth: int | None = 30,
              min_samples_leaf: int = 5, seed: int = 0, progress: Any = None) -> dict[str, Any]:
-    """Run the issue-8 evaluation and write ``out/length_eval.{json,md,png}``; returns the JSON dict.
+    """Run the length-bound evaluation and write ``out/length_eval.{json,md,png}``; returns the JSON dict.
 
     Split: instructions (prompts) are assigned to ``folds`` folds by a stable hash; each test
     response is predicted by models trained only on training responses of *other* folds

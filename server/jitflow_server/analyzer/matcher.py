@@ -21,7 +21,7 @@ one possibly still running), the matcher
 
 The history of an app is held in memory as padded numpy arrays (one row per graph, one
 column per stage), rebuilt when the store changes, so a match is a handful of vectorised
-operations. When the store has been clustered (K-medoids, :meth:`HistoryStore.cluster`),
+operations. When the store has been clustered (K-medoids, :func:`~jitflow_server.analyzer.clustering.cluster_history`),
 the ``"cluster"`` strategy scores the medoids first and searches only the members of the
 ``cluster_top`` best clusters (plus graphs inserted after clustering), falling back to a
 full scan when they are all pruned.
@@ -264,7 +264,7 @@ class Matcher:
             :meth:`from_graphs`).
         kernel: Gaussian-kernel parameters (:class:`KernelParams`).
         strategy: ``"exhaustive"`` (score every unpruned graph), ``"cluster"`` (medoids first,
-            needs :meth:`HistoryStore.cluster`; full scan if not clustered) or ``"auto"``
+            needs :func:`~jitflow_server.analyzer.clustering.cluster_history`; full scan if not clustered) or ``"auto"``
             (cluster search when clusters exist and the app has more than ``auto_threshold``
             graphs).
         cluster_top: clusters searched by the cluster strategy.

@@ -32,7 +32,8 @@ def _fail(msg: str) -> None:
 def _load(path: Path, fmt: str, app: Optional[str]) -> list:
     """Load graphs from ``path``; ``app`` overrides/sets the app name. Errors exit with code 2."""
     from jitflow_server.analyzer.patterns import load_deepresearch
-    from jitflow_server.store.graph import PatternFormatError, PatternGraph, read_jsonl
+    from jitflow_server.store.graph import PatternFormatError, PatternGraph
+    from jitflow_server.store.jsonl import read_jsonl
 
     if fmt not in FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(FORMATS)}")
@@ -99,7 +100,7 @@ def register(patterns_app: typer.Typer, analyzer_app: typer.Typer) -> None:
         out: Optional[Path] = typer.Option(None, "--out", help="Output JSONL file (default: stdout)."),
     ) -> None:
         """Export an app's graphs as jitflow JSONL (one graph per line)."""
-        from jitflow_server.store.graph import write_jsonl
+        from jitflow_server.store.jsonl import write_jsonl
 
         store = _open_store(db)
         try:

@@ -278,7 +278,7 @@ def remaining_time(
 ) -> float:
     """Execution time (seconds) of the matched graph's stages *after* ``stage_index``.
 
-    Useful for the compound priority (DESIGN §5: current stage t_gen plus the matched
+    Useful for the compound priority (GMAX's task term: current stage t_gen plus the matched
     pattern's remaining stages). ``0.0`` when there is no match or no later stage.
     """
     g = _graph_of(match)

@@ -194,7 +194,7 @@ class TaskManager:
         self.telemetry_path = telemetry_path
 
     def _import(self, paths: list[Path]) -> None:
-        from jitflow_server.store.graph import read_jsonl
+        from jitflow_server.store.jsonl import read_jsonl
 
         n = 0
         for p in paths:

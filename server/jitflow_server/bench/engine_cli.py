@@ -38,7 +38,7 @@ def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: f
     the server's compound advisor sees what the simulated one sees.
     """
     from jitflow_server.bench.estimates import CompoundAnalyzer
-    from jitflow_server.store.graph import write_jsonl
+    from jitflow_server.store.jsonl import write_jsonl
 
     hist = out / "history.jsonl"
     an = CompoundAnalyzer("none", data, decode_s=model_preset.decode_token_time(batch_size),

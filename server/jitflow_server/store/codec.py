@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import struct
 
-from jitflow_server.store.graph import BIN_VERSION, CallNode, PatternFormatError, PatternGraph
+from jitflow_server.store.graph import CallNode, PatternFormatError, PatternGraph
+
+__all__ = ["BIN_VERSION", "encode_graph", "decode_graph"]
+
+BIN_VERSION = 1
 
 
 def _varint(n: int) -> bytes:
@@ -39,8 +43,7 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
             raise PatternFormatError("corrupt pattern blob (varint too long)")
 
 
-
-def encode_graph(self: PatternGraph) -> bytes:
+def encode_graph(g: PatternGraph) -> bytes:
     """Compact binary form (the history store's BLOB; app/outcome/task are stored beside it).
 
     Layout: ``u8 version, u8 S, varint n_nodes``; string table ``u8 count`` then
@@ -62,14 +65,14 @@ def encode_graph(self: PatternGraph) -> bytes:
             strings.append(x)
         return sidx[x]
 
-    name_idx = [intern(s) for s in self.stage_names]
-    _, pos = self._canonical()
-    t0 = self._t0()
+    name_idx = [intern(s) for s in g.stage_names]
+    _, pos = g.canonical_ids()
+    t0 = g.first_start()
     body = bytearray()
-    for st in self.stages:
-        default_p = sorted(self._default_parents(st.index))
+    for st in g.stages:
+        default_p = sorted(g.default_parents(st.index))
         for nid in st.node_ids:
-            n = self._by_id[nid]
+            n = g.node(nid)
             flags = 0
             if n.kind == "tool":
                 flags |= 1
@@ -94,9 +97,9 @@ def encode_graph(self: PatternGraph) -> bytes:
                 body += struct.pack("<f", n.start - t0)
             if explicit:
                 body += bytes((len(n.parents),)) + b"".join(_varint(pos[p]) for p in n.parents)
-    if self.n_stages > 255 or len(strings) > 255:
+    if g.n_stages > 255 or len(strings) > 255:
         raise PatternFormatError("binary form supports at most 255 stages and 255 distinct names")
-    head = bytearray((BIN_VERSION, self.n_stages)) + _varint(len(self.nodes)) + bytes((len(strings),))
+    head = bytearray((BIN_VERSION, g.n_stages)) + _varint(len(g.nodes)) + bytes((len(strings),))
     for x in strings:
         b = x.encode()
         if len(b) > 255:
@@ -104,6 +107,7 @@ def encode_graph(self: PatternGraph) -> bytes:
         head += bytes((len(b),)) + b
     head += bytes(name_idx)
     return bytes(head + body)
+
 
 def decode_graph(blob: bytes, app: str, *, outcome: str | None = None, task_id: str | None = None) -> PatternGraph:
     """Inverse of :func:`encode_graph` (times come back relative to the first call, float32).

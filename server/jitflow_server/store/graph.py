@@ -7,54 +7,24 @@ tool call (tool id, execution time); edges are dependencies; calls are grouped i
 *stages* (Tempo's super-nodes). A stage's weight is its aggregate output length and
 the edge into it is weighted by the stage's total input length.
 
-Three representations are provided:
+This module holds the model: :class:`PatternGraph` (nodes + stages, validated on creation),
+its :class:`Stage` super-nodes and :attr:`PatternGraph.arrays`, the compact numpy form used for
+fast scoring (:class:`StageArrays`, one entry per stage). Its other forms live beside it:
 
-* :class:`PatternGraph` -- the Python object (nodes + stages), validated on creation;
-* :meth:`PatternGraph.to_nx` -- a :class:`networkx.DiGraph` of the calls (and
-  :meth:`PatternGraph.stage_nx` for the super-node chain);
-* :attr:`PatternGraph.arrays` -- the compact numpy form used for fast scoring
-  (:class:`StageArrays`, one entry per stage).
-
-Serialisation (documented in ``docs/analyzer.md``):
-
-* :meth:`PatternGraph.to_json` -- one JSON object, the line format of jitflow's JSONL
-  pattern files (``patterns/*.jsonl``, ``jitflow patterns import/export``);
-* :meth:`PatternGraph.to_bytes` -- a compact binary form (``store/codec.py``) (the history store's BLOB),
-  typically 60-130 bytes for a deep-research task (the paper: < 0.2 KB per graph).
-
-JSONL line format (version 1)::
-
-    {"v": 1, "app": "deep-research", "task": "17", "outcome": "ok",
-     "stages": [
-       {"n": "generate_query", "c": [{"k": "llm", "m": "llama3", "i": 436, "o": 99}]},
-       {"n": "web_research",   "c": [{"k": "llm", "m": "llama3", "i": 177, "o": 1024, "d": 31.2},
-                                     {"k": "tool", "m": "search", "d": 0.8, "p": ["0.0"]}]}
-     ]}
-
-Keys of a call: ``k`` kind (``llm`` | ``tool``), ``m`` model or tool id, ``i``/``o`` input and
-output length in tokens (LLM calls; ``o`` is ``null`` while a call is still running),
-``d`` duration in seconds (optional), ``t`` ``[start, end]`` in seconds relative to the task's
-first call (optional), ``p`` parent ids (optional; default: every call of the previous stage).
-Node ids are canonical ``"<stage>.<j>"`` (j = position in the stage). ``task``, ``outcome``
-and ``meta`` are optional.
-
-Size: about 650 lines, one data type with its validation, views (networkx, numpy) and the JSON line
-format, kept together so a change of the model is made in one file; the binary form is in codec.py.
+* ``store/jsonl.py`` -- the JSON line format of jitflow's pattern files (``patterns/*.jsonl``,
+  ``jitflow patterns import/export``; :meth:`PatternGraph.to_json`, ``read_jsonl``, ``write_jsonl``);
+* ``store/codec.py`` -- the compact binary form kept by the history store (:meth:`PatternGraph.to_bytes`);
+* ``store/graph_nx.py`` -- networkx views (the call graph and the chain of super-nodes).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:  # pragma: no cover
-    import networkx as nx
 
 __all__ = [
     "CallNode",
@@ -62,15 +32,11 @@ __all__ = [
     "StageArrays",
     "PatternGraph",
     "PatternFormatError",
-    "read_jsonl",
-    "write_jsonl",
 ]
 
 KINDS = ("llm", "tool")
-JSON_VERSION = 1
 #: Model label of token-only traces (the deep-research trace records no model per call).
 DEEPRESEARCH_MODEL = "llama3-8b"
-BIN_VERSION = 1
 
 
 class PatternFormatError(ValueError):
@@ -449,62 +415,10 @@ class PatternGraph:
                 )
         return PatternGraph(self.app, nodes, self.stage_names[:keep], outcome=None, task_id=self.task_id)
 
-    # ------------------------------------------------------------------ networkx
-    def to_nx(self) -> nx.DiGraph:
-        """The call graph as a :class:`networkx.DiGraph`.
-
-        Node attributes: ``kind, name, input_len, output_len, start, end, duration, stage``;
-        an edge ``p -> c`` for each parent ``p`` of ``c``; graph attributes ``app, outcome,
-        task_id, stage_names``.
-        """
-        import networkx as nx
-
-        g = nx.DiGraph(app=self.app, outcome=self.outcome, task_id=self.task_id, stage_names=list(self.stage_names))
-        for n in self.nodes:
-            g.add_node(
-                n.node_id, kind=n.kind, name=n.name, input_len=n.input_len, output_len=n.output_len,
-                start=n.start, end=n.end, duration=n.duration, stage=n.stage,
-            )
-        for n in self.nodes:
-            for p in n.parents:
-                g.add_edge(p, n.node_id)
-        return g
-
-    @classmethod
-    def from_nx(cls, g: nx.DiGraph) -> PatternGraph:
-        """Inverse of :meth:`to_nx` (parents are the in-edges). Raises PatternFormatError."""
-        nodes = []
-        for nid, a in g.nodes(data=True):
-            nodes.append(
-                CallNode(
-                    str(nid), a.get("kind", "llm"), a.get("name", ""), a.get("input_len", 0),
-                    a.get("output_len", 0), a.get("start"), a.get("end"), a.get("duration"),
-                    [str(p) for p in g.predecessors(nid)], a.get("stage", 0),
-                )
-            )
-        return cls.from_calls(
-            g.graph.get("app", ""), nodes, stage_names=g.graph.get("stage_names"),
-            outcome=g.graph.get("outcome"), task_id=g.graph.get("task_id"),
-        )
-
-    def stage_nx(self) -> nx.DiGraph:
-        """Super-node chain (Tempo §4.1): nodes ``0..S-1`` with ``weight`` = aggregate output
-        tokens and ``identity``; edges ``s-1 -> s`` (and ``"in" -> 0``) with ``weight`` = total
-        input tokens of stage ``s``."""
-        import networkx as nx
-
-        g = nx.DiGraph(app=self.app)
-        g.add_node("in", weight=0, identity="")
-        prev: Any = "in"
-        for st in self.stages:
-            g.add_node(st.index, weight=st.output_len, identity=st.identity, n_calls=st.n_calls, open=st.open)
-            g.add_edge(prev, st.index, weight=st.input_len)
-            prev = st.index
-        return g
-
-    # ------------------------------------------------------------------ JSON
-    def _canonical(self) -> tuple[dict[str, str], dict[str, int]]:
-        """Map node id -> canonical id ``"s.j"`` and node id -> global position."""
+    # ------------------------------------------------------------------ serialisation helpers
+    def canonical_ids(self) -> tuple[dict[str, str], dict[str, int]]:
+        """Map node id -> canonical id ``"<stage>.<j>"`` (j = position in the stage) and node id ->
+        position in stage order (the ids the JSON and binary forms use)."""
         canon: dict[str, str] = {}
         pos: dict[str, int] = {}
         i = 0
@@ -515,103 +429,41 @@ class PatternGraph:
                 i += 1
         return canon, pos
 
-    def _t0(self) -> float | None:
+    def first_start(self) -> float | None:
+        """Earliest recorded call start (seconds), the origin of serialised times; ``None`` if no call has one."""
         starts = [n.start for n in self.nodes if n.start is not None]
         return min(starts) if starts else None
 
-    def _default_parents(self, s: int) -> list[str]:
+    def default_parents(self, s: int) -> list[str]:
+        """Parents a call of stage ``s`` has unless given explicitly: every call of stage ``s - 1``."""
         return [] if s == 0 else list(self.stages[s - 1].node_ids)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSONL record (see the module docstring), node ids canonicalised."""
-        canon, _ = self._canonical()
-        t0 = self._t0()
-        stages = []
-        for st in self.stages:
-            calls = []
-            default_p = sorted(self._default_parents(st.index))
-            for nid in st.node_ids:
-                n = self._by_id[nid]
-                c: dict[str, Any] = {"k": n.kind, "m": n.name}
-                if n.kind == "llm" or n.input_len:
-                    c["i"] = n.input_len
-                if n.kind == "llm" or n.output_len:
-                    c["o"] = n.output_len
-                if n.duration is not None:
-                    c["d"] = round(float(n.duration), 4)
-                if n.start is not None and n.end is not None and t0 is not None:
-                    c["t"] = [round(n.start - t0, 4), round(n.end - t0, 4)]
-                elif n.start is not None and t0 is not None:
-                    c["t"] = [round(n.start - t0, 4), None]
-                if sorted(n.parents) != default_p:
-                    c["p"] = [canon[p] for p in n.parents]
-                calls.append(c)
-            stages.append({"n": st.name, "c": calls})
-        d: dict[str, Any] = {"v": JSON_VERSION, "app": self.app}
-        if self.task_id is not None:
-            d["task"] = self.task_id
-        if self.outcome is not None:
-            d["outcome"] = self.outcome
-        if self.meta:
-            d["meta"] = self.meta
-        d["stages"] = stages
-        return d
+        """The JSON line record: see :func:`jitflow_server.store.jsonl.graph_to_dict`."""
+        from jitflow_server.store.jsonl import graph_to_dict
 
-    def to_json(self) -> str:
-        """One compact JSON line (no newline). See the module docstring for the schema."""
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        return graph_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PatternGraph:
-        """Parse a JSONL record (inverse of :meth:`to_dict`). Raises PatternFormatError."""
-        if not isinstance(d, dict):
-            raise PatternFormatError("pattern record must be a JSON object")
-        v = d.get("v", JSON_VERSION)
-        if v != JSON_VERSION:
-            raise PatternFormatError(f"unsupported pattern record version {v!r}")
-        app = d.get("app")
-        stages = d.get("stages")
-        if not isinstance(app, str) or not isinstance(stages, list):
-            raise PatternFormatError("pattern record needs 'app' (string) and 'stages' (list)")
-        nodes: list[CallNode] = []
-        names: list[str] = []
-        prev: list[str] = []
-        try:
-            for s, st in enumerate(stages):
-                names.append(str(st.get("n", "")))
-                calls = st["c"]
-                if not isinstance(calls, list) or not calls:
-                    raise PatternFormatError(f"stage {s}: 'c' must be a non-empty list of calls")
-                cur = []
-                for j, c in enumerate(calls):
-                    nid = f"{s}.{j}"
-                    t = c.get("t")
-                    start, end = (t[0], t[1]) if isinstance(t, list) and len(t) == 2 else (None, None)
-                    nodes.append(
-                        CallNode(
-                            nid, c.get("k", "llm"), c["m"], int(c.get("i", 0) or 0), c.get("o", 0),
-                            start=start, end=end, duration=c.get("d"),
-                            parents=list(c["p"]) if "p" in c else list(prev), stage=s,
-                        )
-                    )
-                    cur.append(nid)
-                prev = cur
-        except (KeyError, TypeError, AttributeError) as e:
-            raise PatternFormatError(f"malformed pattern record: {e!r}") from e
-        meta = d.get("meta")
-        return cls(app, nodes, names, outcome=d.get("outcome"), task_id=d.get("task"),
-                   meta=meta if isinstance(meta, dict) else None)
+        """Inverse of :meth:`to_dict`: see :func:`jitflow_server.store.jsonl.graph_from_dict`."""
+        from jitflow_server.store.jsonl import graph_from_dict
+
+        return graph_from_dict(d)
+
+    def to_json(self) -> str:
+        """One compact JSON line (no newline) in the format of ``store/jsonl.py``."""
+        from jitflow_server.store.jsonl import graph_to_json
+
+        return graph_to_json(self)
 
     @classmethod
     def from_json(cls, line: str) -> PatternGraph:
         """Parse one JSON line. Raises PatternFormatError on invalid JSON or schema."""
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PatternFormatError(f"invalid JSON: {e}") from e
-        return cls.from_dict(d)
+        from jitflow_server.store.jsonl import graph_from_json
 
-    # ------------------------------------------------------------------ binary
+        return graph_from_json(line)
+
     def to_bytes(self) -> bytes:
         """Compact binary form (the history store's BLOB): see :func:`jitflow_server.store.codec.encode_graph`."""
         from jitflow_server.store.codec import encode_graph
@@ -637,33 +489,3 @@ class PatternGraph:
         return self.to_dict() == other.to_dict()
 
     __hash__ = None  # type: ignore[assignment]
-
-
-# ---------------------------------------------------------------------- files
-def read_jsonl(path: str | Path) -> Iterator[PatternGraph]:
-    """Yield the graphs of a jitflow JSONL pattern file (blank lines and ``#`` lines skipped).
-
-    Raises:
-        FileNotFoundError: missing file.
-        PatternFormatError: bad line (message includes the line number).
-    """
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            try:
-                yield PatternGraph.from_json(line)
-            except PatternFormatError as e:
-                raise PatternFormatError(f"{path}:{lineno}: {e}") from e
-
-
-def write_jsonl(graphs: Iterable[PatternGraph], fh: Any) -> int:
-    """Write graphs one per line to the text file object ``fh``; returns the count."""
-    n = 0
-    for g in graphs:
-        fh.write(g.to_json() + "\n")
-        n += 1
-    return n
-
-
