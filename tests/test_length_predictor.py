@@ -12,14 +12,15 @@ from jitflow_server.analyzer.length import (
     CompiledForest,
     LengthModelError,
     LengthPredictor,
+    load_predictor_or_none,
+)
+from jitflow_server.analyzer.length_calibration import (
     OnlineCalibrator,
     RunningQuantileFallback,
-    TokenCounter,
     finalize_bound,
-    load_examples,
-    load_predictor_or_none,
-    telemetry_record,
 )
+from jitflow_server.analyzer.length_data import load_examples, telemetry_record
+from jitflow_server.analyzer.tokens import TokenCounter
 
 REGEX = TokenCounter(None)  # fast, deterministic tokenizer for tests
 TOPICS = ["short", "medium", "long"]

@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from jitflow_server.analyzer.length import LengthPredictor, TokenCounter
+from jitflow_server.analyzer.length import LengthPredictor
 from jitflow_server.analyzer.length_service import LengthService
+from jitflow_server.analyzer.tokens import TokenCounter
 
 REGEX = TokenCounter(None)
 

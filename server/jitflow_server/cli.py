@@ -41,7 +41,7 @@ demo_cli.register(app)
 
 def _demo_token_counter():
     """The demo model's locally trained BPE as the analyzer's token counter (what the demo engine serves)."""
-    from jitflow_server.analyzer.length import TokenCounter
+    from jitflow_server.analyzer.tokens import TokenCounter
     from jitflow_server.engine.demo_model import load_demo_tokenizer
 
     return TokenCounter(load_demo_tokenizer(), name="jitflow-demo-bpe")
@@ -49,7 +49,7 @@ def _demo_token_counter():
 
 def main() -> None:
     """Entry point of the ``jitflow`` console script."""
-    from jitflow_server.analyzer.length import set_token_counter_factory
+    from jitflow_server.analyzer.tokens import set_token_counter_factory
 
     set_token_counter_factory(_demo_token_counter)
     app()

@@ -68,14 +68,10 @@ def run_eval(train_files: list[Path], test_files: list[Path], quantile: float, o
     import numpy as np
     from sklearn.ensemble import GradientBoostingRegressor
 
-    from jitflow_server.analyzer.length import (
-        LengthPredictor,
-        OnlineCalibrator,
-        build_rows,
-        finalize_bound,
-        get_token_counter,
-        load_examples,
-    )
+    from jitflow_server.analyzer.length import LengthPredictor
+    from jitflow_server.analyzer.length_calibration import OnlineCalibrator, finalize_bound
+    from jitflow_server.analyzer.length_data import build_rows, load_examples
+    from jitflow_server.analyzer.tokens import get_token_counter
 
     def tick(msg: str) -> None:
         if progress is not None:
@@ -342,7 +338,8 @@ def register(analyzer_app: typer.Typer) -> None:
         """Train the QRF length upper-bound model (JITServe §4.1) and save it with a version stamp."""
         from rich.console import Console
 
-        from jitflow_server.analyzer.length import LengthPredictor, default_model_path, load_examples
+        from jitflow_server.analyzer.length import LengthPredictor, default_model_path
+        from jitflow_server.analyzer.length_data import load_examples
 
         console = Console(stderr=True)
         if not 0.0 < quantile < 1.0:

@@ -29,21 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from jitflow_server.analyzer.length import (
+from jitflow_server.analyzer.length import LengthModelError, LengthPredictor, load_predictor_or_none
+from jitflow_server.analyzer.length_calibration import (
     DEFAULT_QUANTILE,
-    LengthExample,
-    LengthModelError,
-    LengthPredictor,
     OnlineCalibrator,
     RunningQuantileFallback,
-    TokenCounter,
     calibration_bucket,
     finalize_bound,
-    get_token_counter,
-    load_predictor_or_none,
-    prompt_features,
-    telemetry_record,
 )
+from jitflow_server.analyzer.length_data import LengthExample, telemetry_record
+from jitflow_server.analyzer.length_features import prompt_features
+from jitflow_server.analyzer.tokens import TokenCounter, get_token_counter
 
 logger = logging.getLogger(__name__)
 
