@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -387,3 +387,58 @@ def clamp_items(values: Sequence[str], n: int) -> list[str]:
         if len(out) >= n:
             break
     return out
+
+
+class AgentResult:
+    """What the example apps' results share: the task ``report`` (``TaskReport`` or ``None`` when the task
+    never started), from which the outcome and the task part of the JSON form come."""
+
+    report: TaskReport | None
+
+    @property
+    def outcome(self) -> str:
+        """``succeeded`` | ``deadline_missed`` | ``failed``."""
+        return self.report.outcome if self.report else "failed"
+
+    def task_dict(self) -> dict[str, Any] | None:
+        """The task report as JSON (``None`` without one)."""
+        return self.report.to_dict() if self.report else None
+
+
+def run_cli(args: argparse.Namespace, *, validate: Callable[[], None], run: Callable[..., Any],
+            render: Callable[[Any, Any], None]) -> int:
+    """Run one example app from its parsed command line and return the exit code.
+
+    ``validate()`` checks the arguments (raises ``ValueError``: exit 2); ``run(client, model)`` is the
+    coroutine function of the app, called with a connected client and the model to use; with ``--json``
+    the result's ``to_dict()`` is printed, else ``render(result, console)`` prints it, followed by the
+    task report. Exit codes: :func:`exit_code` of the task outcome, 2 for bad arguments or an unreachable
+    server.
+    """
+    try:
+        positive_float("--deadline", args.deadline)
+        validate()
+    except ValueError as e:
+        die(str(e), EXIT_USAGE)
+    quiet_telemetry_warnings()
+
+    async def main() -> Any:
+        async with jitflow.AsyncClient(base_url=args.server) as client:
+            return await run(client, await check_server(client, args.model))
+
+    try:
+        result = anyio.run(main)
+    except jitflow.APIConnectionError as e:
+        die(f"cannot reach the jitflow server: {e}", EXIT_USAGE)
+    except (ValueError, jitflow.APIError) as e:
+        die(str(e), EXIT_USAGE)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        from rich.console import Console
+
+        con = Console()
+        render(result, con)
+        assert result.report is not None
+        print_task_report(result.report, console=con)
+    return exit_code(result.outcome)

@@ -8,21 +8,12 @@ server unreachable.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-
-import anyio
 
 import jitflow
 from examples._common import (
-    EXIT_USAGE,
     add_common_args,
-    check_server,
-    die,
-    exit_code,
-    positive_float,
-    print_task_report,
-    quiet_telemetry_warnings,
+    run_cli,
 )
 from examples.deep_research.agent import ResearchConfig, ResearchResult, run_research
 
@@ -40,45 +31,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _main(args: argparse.Namespace) -> ResearchResult:
-    async with jitflow.AsyncClient(base_url=args.server) as client:
-        model = await check_server(client, args.model)
-        cfg = ResearchConfig(initial_queries=args.queries, max_loops=args.max_loops,
-                             search_latency=args.search_latency, answer_tokens=args.answer_tokens)
-        return await run_research(args.question, deadline=args.deadline, client=client, model=model, config=cfg)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
-    try:
-        positive_float("--deadline", args.deadline)
-        ResearchConfig(initial_queries=args.queries, max_loops=args.max_loops,
-                       search_latency=args.search_latency, answer_tokens=args.answer_tokens)
-    except ValueError as e:
-        die(str(e), EXIT_USAGE)
-    if not args.question.strip():
-        die("the question must not be empty", EXIT_USAGE)
-    quiet_telemetry_warnings()
-    try:
-        result = anyio.run(_main, args)
-    except jitflow.APIConnectionError as e:
-        die(f"cannot reach the jitflow server: {e}", EXIT_USAGE)
-    except (ValueError, jitflow.APIError) as e:
-        die(str(e), EXIT_USAGE)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        from rich.console import Console
 
-        con = Console()
+    def config() -> ResearchConfig:
+        return ResearchConfig(initial_queries=args.queries, max_loops=args.max_loops,
+                              search_latency=args.search_latency, answer_tokens=args.answer_tokens)
+
+    def validate() -> None:
+        config()
+        if not args.question.strip():
+            raise ValueError("the question must not be empty")
+
+    async def run(client: jitflow.AsyncClient, model: str) -> ResearchResult:
+        return await run_research(args.question, deadline=args.deadline, client=client, model=model, config=config())
+
+    def render(result: ResearchResult, con) -> None:
         con.rule(f"[bold]{result.question}")
         con.print(result.answer or "(no answer)", markup=False)
         con.print(f"rounds: {len(result.rounds)}  queries per round: {[len(r) for r in result.rounds]}  "
                   f"sources: {', '.join(result.sources) or '-'}  invalid JSON outputs: {result.invalid_json}")
-        assert result.report is not None
-        print_task_report(result.report, console=con)
-    return exit_code(result.outcome)
+
+    return run_cli(args, validate=validate, run=run, render=render)
 
 
 if __name__ == "__main__":

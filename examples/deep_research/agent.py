@@ -19,6 +19,7 @@ import anyio
 
 import jitflow
 from examples._common import (
+    AgentResult,
     TaskReport,
     chat_json,
     chat_text,
@@ -71,7 +72,7 @@ class ResearchConfig:
 
 
 @dataclass
-class ResearchResult:
+class ResearchResult(AgentResult):
     """Result of one deep-research run.
 
     Attributes:
@@ -90,16 +91,11 @@ class ResearchResult:
     invalid_json: int = 0
     report: TaskReport | None = None
 
-    @property
-    def outcome(self) -> str:
-        """``succeeded`` | ``deadline_missed`` | ``failed``."""
-        return self.report.outcome if self.report else "failed"
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
         return {"app": APP, "question": self.question, "answer": self.answer, "rounds": self.rounds,
                 "sources": self.sources, "invalid_json": self.invalid_json, "outcome": self.outcome,
-                "task": self.report.to_dict() if self.report else None}
+                "task": self.task_dict()}
 
 
 def query_schema(n: int, chars: int) -> dict[str, Any]:

@@ -21,7 +21,15 @@ from typing import Any
 import anyio
 
 import jitflow
-from examples._common import TaskReport, chat_json, chat_text, fetch_server_view, jitflow_error, task_report
+from examples._common import (
+    AgentResult,
+    TaskReport,
+    chat_json,
+    chat_text,
+    fetch_server_view,
+    jitflow_error,
+    task_report,
+)
 from examples.tree_of_thoughts.game24 import VALUE_OF, State, initial_state, legal_moves, solve
 
 __all__ = ["APP", "ToTConfig", "ToTResult", "run_tot", "propose_schema", "value_schema"]
@@ -58,7 +66,7 @@ class ToTConfig:
 
 
 @dataclass
-class ToTResult:
+class ToTResult(AgentResult):
     """Result of one ToT run.
 
     Attributes:
@@ -83,17 +91,12 @@ class ToTResult:
     answer: str = ""
     report: TaskReport | None = None
 
-    @property
-    def outcome(self) -> str:
-        """``succeeded`` | ``deadline_missed`` | ``failed``."""
-        return self.report.outcome if self.report else "failed"
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
         return {"app": APP, "numbers": self.numbers, "best": self.best, "expression": self.expression,
                 "solved": self.solved, "solvable": self.solvable, "levels": self.levels,
                 "invalid_json": self.invalid_json, "answer": self.answer, "outcome": self.outcome,
-                "task": self.report.to_dict() if self.report else None}
+                "task": self.task_dict()}
 
 
 def propose_schema(lines: list[str], k: int) -> dict[str, Any]:

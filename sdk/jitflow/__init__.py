@@ -25,26 +25,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import _exceptions
 from ._agent import agent, configure, get_client, tool
 from ._calls import CallRecord
 from ._client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient, Client
 from ._context import current_stage, current_task
-from ._exceptions import (
-    AdmissionRejectedError,
-    APIConnectionError,
-    APIError,
-    APIStatusError,
-    APITimeoutError,
-    BadRequestError,
-    DeadlineExceededError,
-    InternalServerError,
-    JitflowError,
-    NoActiveTaskError,
-    NotFoundError,
-    RateLimitError,
-    StreamError,
-    UnprocessableEntityError,
-)
+from ._exceptions import *  # noqa: F403 - every public exception (its __all__)
 from ._slo import SLO, BestEffort, Compound, Deadline, Latency, parse_slo
 from ._streaming import AsyncStream, Stream
 from ._task import Stage, StageScope, Task, TaskScope, stage
@@ -108,19 +94,6 @@ __all__ = [
     "CallRecord",
     "TelemetryStats",
     "TelemetryWarning",
-    # errors
-    "JitflowError",
-    "APIError",
-    "APIConnectionError",
-    "APITimeoutError",
-    "APIStatusError",
-    "BadRequestError",
-    "NotFoundError",
-    "UnprocessableEntityError",
-    "AdmissionRejectedError",
-    "RateLimitError",
-    "InternalServerError",
-    "StreamError",
-    "DeadlineExceededError",
-    "NoActiveTaskError",
+    # errors: every public exception
+    *_exceptions.__all__,
 ]
