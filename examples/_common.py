@@ -442,3 +442,36 @@ def run_cli(args: argparse.Namespace, *, validate: Callable[[], None], run: Call
         assert result.report is not None
         print_task_report(result.report, console=con)
     return exit_code(result.outcome)
+
+
+async def run_agent_task(body: Callable[[], Any], *, app: str, deadline: float, client: Any, model: str | None,
+                         metadata: dict[str, Any], fetch_view: bool = True) -> tuple[Any, TaskReport]:
+    """Run ``await body()`` as one compound task of ``app`` (``@jitflow.agent``) and report on it.
+
+    Returns ``(body's value or None when the task failed, TaskReport)``. Errors of the task (deadline,
+    API errors, see :func:`jitflow_error`) end up in the report; anything else propagates. With
+    ``fetch_view`` the server's view of the task (sub-deadlines) is added to the report.
+    """
+    holder: dict[str, jitflow.Task] = {}
+
+    @jitflow.agent(app=app, deadline=deadline, client=client, model=model, metadata=metadata)
+    async def task_body() -> Any:
+        task = jitflow.current_task()
+        assert task is not None
+        holder["task"] = task
+        return await body()
+
+    error: BaseException | None = None
+    value = None
+    try:
+        value = await task_body()
+    except Exception as exc:
+        error = jitflow_error(exc)
+        if error is None:
+            raise
+    task = holder.get("task")
+    used = client or (task.client if task is not None else None)
+    report = task_report(task, app=app, deadline=deadline, error=error, client=used)
+    if fetch_view and used is not None and task is not None and task.registered:
+        await fetch_server_view(used, report)
+    return value, report

@@ -24,9 +24,7 @@ from examples._common import (
     chat_json,
     chat_text,
     clamp_items,
-    fetch_server_view,
-    jitflow_error,
-    task_report,
+    run_agent_task,
 )
 from examples.deep_research.search import SearchHit, web_search
 
@@ -261,26 +259,7 @@ async def run_research(
         raise ValueError("question must be a non-empty string")
     cfg = config or ResearchConfig()
     run = _Run(question.strip(), cfg)
-    holder: dict[str, jitflow.Task] = {}
-
-    @jitflow.agent(app=APP, deadline=deadline, client=client, model=model,
-                   metadata={"example": "deep_research", "max_loops": cfg.max_loops})
-    async def deep_research() -> str:
-        task = jitflow.current_task()
-        assert task is not None
-        holder["task"] = task
-        return await run.run()
-
-    error: BaseException | None = None
-    try:
-        await deep_research()
-    except Exception as exc:
-        error = jitflow_error(exc)
-        if error is None:
-            raise
-    task = holder.get("task")
-    used = client or (task.client if task is not None else None)
-    report = task_report(task, app=APP, deadline=deadline, error=error, client=used)
-    if fetch_view and used is not None and task is not None and task.registered:
-        await fetch_server_view(used, report)
+    _, report = await run_agent_task(run.run, app=APP, deadline=deadline, client=client, model=model,
+                                     metadata={"example": "deep_research", "max_loops": cfg.max_loops},
+                                     fetch_view=fetch_view)
     return ResearchResult(run.question, run.answer, run.rounds, run.sources, run.invalid_json, report)

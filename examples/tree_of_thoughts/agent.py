@@ -26,9 +26,7 @@ from examples._common import (
     TaskReport,
     chat_json,
     chat_text,
-    fetch_server_view,
-    jitflow_error,
-    task_report,
+    run_agent_task,
 )
 from examples.tree_of_thoughts.game24 import VALUE_OF, State, initial_state, legal_moves, solve
 
@@ -244,29 +242,9 @@ async def run_tot(
     """
     cfg = config or ToTConfig()
     search = _Search(list(numbers), cfg)
-    holder: dict[str, jitflow.Task] = {}
-
-    @jitflow.agent(app=APP, deadline=deadline, client=client, model=model,
-                   metadata={"example": "tree_of_thoughts", "k": cfg.k, "b": cfg.b})
-    async def tree_of_thoughts() -> State:
-        task = jitflow.current_task()
-        assert task is not None
-        holder["task"] = task
-        return await search.run()
-
-    error: BaseException | None = None
-    best: State | None = None
-    try:
-        best = await tree_of_thoughts()
-    except Exception as exc:
-        error = jitflow_error(exc)
-        if error is None:
-            raise
-    task = holder.get("task")
-    used = client or (task.client if task is not None else None)
-    report = task_report(task, app=APP, deadline=deadline, error=error, client=used)
-    if fetch_view and used is not None and task is not None and task.registered:
-        await fetch_server_view(used, report)
+    best, report = await run_agent_task(search.run, app=APP, deadline=deadline, client=client, model=model,
+                                        metadata={"example": "tree_of_thoughts", "k": cfg.k, "b": cfg.b},
+                                        fetch_view=fetch_view)
     res = ToTResult(list(numbers), levels=search.levels, invalid_json=search.invalid_json,
                     answer=search.answer, solvable=solve(list(numbers)) is not None, report=report)
     if best is not None:
