@@ -145,3 +145,15 @@ def test_compound_call_gets_task_hints_from_the_server(env):
         assert h.sub_deadline is not None and 0 < h.sub_deadline <= h.deadline + 1e-6
         task = httpx.get(url + "/v1/tasks/t-1").json()
         assert task["stages"][0]["calls"][0]["output_tokens"] == 4
+
+
+def test_errors_have_openai_shape_for_unknown_routes_and_models(env):
+    with serve(FakeEngine()) as (url, _):
+        r = httpx.get(url + "/v1/no-such-route")
+        assert r.status_code == 404
+        assert r.json() == {"error": {"message": "no route GET /v1/no-such-route", "type": "not_found_error",
+                                      "param": None, "code": None}}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "other", "messages": MSG})
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["param"] == "model" and err["code"] == "model_not_found"
+        assert httpx.get(url + "/v1/chat/completions").json()["error"]["type"] == "invalid_request_error"

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jitflow_server.api.admin import register_admin_routes
 from jitflow_server.api.schemas import APIError, ChatCompletionRequest, CompletionRequest
@@ -102,6 +103,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
     async def _validation_error(_: Request, exc: RequestValidationError):
         return _error_response(_validation_to_api_error(exc))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        msg = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+               else str(exc.detail))
+        return _error_response(APIError(exc.status_code, msg, type=kind, headers=dict(exc.headers or {})))
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
@@ -130,4 +138,4 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
 def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise APIError(404, f"model {model!r} not found; this server serves {state.model_name!r}",
-                       type="not_found_error", param="model")
+                       type="not_found_error", param="model", code="model_not_found")

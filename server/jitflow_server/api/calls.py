@@ -88,7 +88,7 @@ class LiveCall:
                     self.finished = True
                     raise APIError(
                         429, f"request was not admitted within its waiting_time of {self.waiting_time:g} s",
-                        type="admission_rejected", param="slo.waiting_time",
+                        type="admission_rejected", param="slo.waiting_time", code="admission_rejected",
                         headers={"Retry-After": str(max(1, round(self.waiting_time or 1)))},
                     ) from None
                 deadline = None  # admitted: wait without a limit

@@ -18,17 +18,18 @@ class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.headers = headers or {}
+        self.code = code
 
     def body(self) -> dict:
-        """The JSON error body (OpenAI shape)."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        """The JSON error body (OpenAI shape: ``code`` is a short string or ``null``, never the status)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def _positive_finite(v: float | None, name: str) -> float | None:
