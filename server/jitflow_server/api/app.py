@@ -51,9 +51,15 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
 def _length_service(state: ServerState):
     """The length service with the engine's tokenizer, or ``None`` when the predictor is off."""
     from jitflow_server.analyzer.length_service import LengthService
+    from jitflow_server.analyzer.tokens import TokenCounter
 
+    tok = getattr(state.engine, "tokenizer", None)  # the served model's tokenizer (the fake engine has none)
+    try:
+        counter = TokenCounter(tok) if tok is not None else None
+    except TypeError:  # a slow tokenizer without a Rust backend: the process-wide counter
+        counter = None
     tele = os.environ.get("JITFLOW_LENGTH_TELEMETRY") or None
-    return LengthService.from_default_model(telemetry_path=tele)
+    return LengthService.from_default_model(counter=counter, telemetry_path=tele)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_engine: bool = False) -> FastAPI:

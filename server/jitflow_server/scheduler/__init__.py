@@ -23,8 +23,8 @@ from jitflow_server.scheduler.baselines import (
     SarathiPolicy,
     SJFPolicy,
 )
-from jitflow_server.scheduler.gmax import GMAXPolicy
-from jitflow_server.scheduler.gmax_estimates import estimate, on_time_tokens, select_window
+from jitflow_server.scheduler.gmax import GMAXPolicy, select_window
+from jitflow_server.scheduler.gmax_estimates import estimate, on_time_tokens
 from jitflow_server.scheduler.gmax_params import GMAXParams
 from jitflow_server.scheduler.replicas import best_replica, dummy_copies
 from jitflow_server.scheduler.snapshot import SchedulingInputError

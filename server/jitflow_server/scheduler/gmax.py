@@ -13,6 +13,11 @@ One frame, for N queued/running requests and batch size B:
    projected gain exceeds ``stall_duration × token_generation_speed`` (§4.2 "Preemption to correct
    scheduling errors"), else it keeps its slot.
 
+Step 1 lives in :mod:`~jitflow_server.scheduler.gmax_estimates` (:func:`estimate`), the parameters in
+:mod:`~jitflow_server.scheduler.gmax_params` (:class:`GMAXParams`); this module holds the priority
+(:meth:`GMAXPolicy.score`), the window (:func:`select_window`), the preemption pricing
+(:func:`recompute_tokens`, ``GMAXPolicy._preemption``) and the frame itself (:meth:`GMAXPolicy.schedule`).
+
 Everything is numpy-vectorised; the only Python loops are over the snapshot (column extraction)
 and over the ≤ B displaced requests. Complexity O(N log N).
 """
@@ -25,13 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jitflow_server.scheduler.adapt import CutoffAdapter
-from jitflow_server.scheduler.gmax_estimates import (
-    Estimates,
-    _group_max,
-    _recompute_tokens,
-    estimate,
-    select_window,
-)
+from jitflow_server.scheduler.gmax_estimates import Estimates, estimate, group_max
 from jitflow_server.scheduler.gmax_params import GMAXParams
 from jitflow_server.scheduler.snapshot import (
     COMPOUND,
@@ -47,6 +46,68 @@ def default_fair(snap: Snapshot, ctx: SchedContext) -> np.ndarray:
     """Fair(r) in [0, 1]: ``1 − attained/max(attained)`` (least attained service first; VTC-like, §4.3)."""
     m = float(snap.attained.max()) if snap.n else 0.0
     return np.ones(snap.n) if m <= 0 else 1.0 - snap.attained / m
+
+
+def recompute_tokens(kv_tokens: float, evict_risk: float, block_size: int | None) -> float:
+    """Tokens a displaced request is expected to recompute when it resumes (vLLM recompute
+    preemption with automatic prefix caching).
+
+    A prefix-cache hit covers only whole ``block_size`` blocks within the first ``kv_tokens − 1``
+    tokens (vLLM's ``find_longest_cache_hit``), so the tail past them is always recomputed, and the
+    cached part only with probability ``evict_risk``. ``block_size=None`` (unknown, or
+    ``GMAXParams.block_pricing=False``) discounts all of it. Units: tokens.
+    """
+    if evict_risk >= 1.0 or not block_size:
+        return kv_tokens * evict_risk
+    whole = float(int(max(kv_tokens - 1.0, 0.0) // block_size) * block_size)
+    return (kv_tokens - whole) + whole * evict_risk
+
+
+def select_window(prio: np.ndarray, input_len: np.ndarray, batch_size: int, p: float,
+                  protect: bool = False) -> tuple[np.ndarray, dict]:
+    """GMAX batch composition (JITServe §4.2, Alg. 1 lines 16-26).
+
+    ``bp`` = B-th highest priority; candidates = ``priority ≥ p·bp``; candidates sorted by input
+    length (ties: higher priority first); the contiguous window of B candidates with the largest
+    summed priority is returned (indices into ``prio``, in priority-descending order) with an info
+    dict (``bp``, ``n_candidates``, ``window_score``, ``protected``). If N ≤ B all requests are returned.
+
+    ``protect=True`` (our extension, ``GMAXParams.window="protected"``): the candidates with
+    ``priority ≥ bp/p`` are kept outright (at most B, highest first) and the window of the remaining
+    ``B − kept`` slots slides over the other candidates only. The published rule maximises the
+    window's *sum*, so one very high priority with a long input can pull the window onto long inputs
+    and leave out every urgent short request (seen on the real engine: waiting compound calls at
+    40× the B-th priority rejected by admission control). With ``p = 1`` both rules are top-B.
+    O(N) selection + O(M log M) sort of the M candidates.
+    """
+    n = prio.shape[0]
+    b = batch_size
+    if n <= b:
+        idx = np.argsort(-prio, kind="stable")
+        return idx, {"bp": float(prio.min()) if n else 0.0, "n_candidates": n, "window_score": float(prio.sum()),
+                     "protected": n}
+    bp = float(np.partition(prio, n - b)[n - b])
+    cand = np.flatnonzero(prio >= p * bp)
+    n_cand = int(cand.size)
+    kept = np.zeros(0, np.int64)
+    if protect and bp > 0:
+        kept = cand[prio[cand] >= bp / p]
+        if kept.size > b:
+            kept = kept[np.argsort(-prio[kept], kind="stable")[:b]]
+        cand = np.setdiff1d(cand, kept, assume_unique=True)
+    n_protected = int(kept.size)
+    w = b - kept.size
+    score = float(prio[kept].sum())
+    if w > 0 and cand.size:
+        w = min(w, cand.size)
+        order = cand[np.lexsort((-prio[cand], input_len[cand]))]
+        cs = np.concatenate(([0.0], np.cumsum(prio[order])))
+        sums = cs[w:] - cs[:-w]
+        k = int(np.argmax(sums))
+        kept = np.concatenate((kept, order[k : k + w]))
+        score += float(sums[k])
+    win = kept[np.argsort(-prio[kept], kind="stable")]
+    return win, {"bp": bp, "n_candidates": n_cand, "window_score": score, "protected": n_protected}
 
 
 class GMAXPolicy:
@@ -127,7 +188,7 @@ class GMAXPolicy:
         waited = np.maximum(ctx.now - last, 0.0) / frame_s
         comp = snap.kind == COMPOUND
         if comp.any():
-            gw = _group_max(waited[comp], snap.group[comp], snap.n_groups, 0.0)
+            gw = group_max(waited[comp], snap.group[comp], snap.n_groups, 0.0)
             waited[comp] = gw[snap.group[comp]]
         gain = est.goodput if est.marginal is None else est.marginal + prm.jit_fill * est.goodput
         num = gain + (prm.starvation_delta * waited + 1e-6) * est.base
@@ -169,8 +230,7 @@ class GMAXPolicy:
             # then the time spent *not* served: (now − arrival − served) / frame.
             acc = self._cache.served
             if self._prev_batch and self._prev_now is not None:
-                pos = self._cache._pos
-                rows = np.fromiter((pos[i] for i in self._prev_batch if i in pos), np.int64)
+                rows = self._cache.rows_of(self._prev_batch)
                 if rows.size:
                     acc[rows] = np.nan_to_num(acc[rows]) + max(ctx.now - self._prev_now, 0.0)
             served = snap.arrival + np.nan_to_num(acc[snap.rows])
@@ -269,7 +329,7 @@ class GMAXPolicy:
             a = admitted[0]
             paused = fits and prm.free_pause and int(d) not in must_free
             block = ctx.kv_block_size if prm.block_pricing else None
-            stall = 0.0 if paused else _recompute_tokens(float(snap.kv_tokens[d]), evict_risk, block) / rate
+            stall = 0.0 if paused else recompute_tokens(float(snap.kv_tokens[d]), evict_risk, block) / rate
             gain = (prio[a] - prio[d]) * frame_s
             loss = stall * (batch_rate - grate[a] if by_goodput else speed)
             if gain > loss and prio[a] > (1.0 + prm.preempt_margin) * prio[d]:

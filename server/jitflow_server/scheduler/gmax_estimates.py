@@ -1,7 +1,7 @@
-"""GMAX's per-frame estimates (JITServe §4.2): remaining length and generation time, time left, achievable
-goodput and priority per request and stage group (:func:`estimate`), the latency kind's on-time token
-count (:func:`on_time_tokens`), the recompute cost of a displaced request (``_recompute_tokens``) and
-Algorithm 1's cutoff-and-window selection (:func:`select_window`)."""
+"""GMAX's per-frame estimates (JITServe §4.2, App. C): remaining length and generation time, time left,
+achievable goodput and, in JIT mode, the goodput lost by deferring, per request and stage group
+(:func:`estimate`), with the latency kind's on-time token count (:func:`on_time_tokens`). The policy that
+turns them into priorities, the batch window and preemptions is :mod:`jitflow_server.scheduler.gmax`."""
 
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def on_time_tokens(
     return np.where(pos, cnt_pos, np.where(neg, cnt_neg, cnt_zero))
 
 
-def _group_max(values: np.ndarray, group: np.ndarray, n_groups: int, fill: float = -np.inf) -> np.ndarray:
+def group_max(values: np.ndarray, group: np.ndarray, n_groups: int, fill: float = -np.inf) -> np.ndarray:
+    """Per-group maximum of ``values``: array of ``n_groups``, ``out[g] = max(values[group == g])``, ``fill``
+    for groups without members. ``group`` holds group ids in ``[0, n_groups)``, one per value."""
     out = np.full(n_groups, fill)
     np.maximum.at(out, group, values)
     return out
@@ -154,13 +156,13 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         ng = snap.n_groups
         tg = t_gen[i]
         sum_tgen = np.bincount(g, tg, minlength=ng)
-        max_tgen = _group_max(tg, g, ng)
-        rem_future = _group_max(snap.task_rem_gen_time[i], g, ng, 0.0)
-        tok_est = _group_max(np.nan_to_num(snap.task_tokens_est[i], nan=-np.inf), g, ng)
+        max_tgen = group_max(tg, g, ng)
+        rem_future = group_max(snap.task_rem_gen_time[i], g, ng, 0.0)
+        tok_est = group_max(np.nan_to_num(snap.task_tokens_est[i], nan=-np.inf), g, ng)
         tok_sum = np.bincount(g, base[i], minlength=ng)
         g_tokens = np.where(np.isfinite(tok_est) & (tok_est > 0), tok_est, tok_sum)
-        task_dl = _group_max(np.nan_to_num(snap.deadline[i], nan=-np.inf), g, ng)
-        sub_dl = _group_max(np.nan_to_num(snap.sub_deadline[i], nan=-np.inf), g, ng)
+        task_dl = group_max(np.nan_to_num(snap.deadline[i], nan=-np.inf), g, ng)
+        sub_dl = group_max(np.nan_to_num(snap.sub_deadline[i], nan=-np.inf), g, ng)
         has_sub = np.isfinite(sub_dl)
         has_task = np.isfinite(task_dl)
         with np.errstate(invalid="ignore"):
@@ -183,69 +185,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         with np.errstate(invalid="ignore"):
             at_risk = snap.admit_by - now <= max(frame_s, prm.admit_horizon)
         if comp_i.size:
-            g_risk = _group_max(at_risk[comp_i].astype(float), snap.group[comp_i], snap.n_groups, 0.0) > 0
+            g_risk = group_max(at_risk[comp_i].astype(float), snap.group[comp_i], snap.n_groups, 0.0) > 0
             at_risk[comp_i] = g_risk[snap.group[comp_i]]
         marginal = np.where(at_risk, goodput, marginal)
     return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)
-
-
-def _recompute_tokens(kv_tokens: float, evict_risk: float, block_size: int | None) -> float:
-    """Tokens a displaced request is expected to recompute when it resumes (vLLM recompute
-    preemption with automatic prefix caching).
-
-    A prefix-cache hit covers only whole ``block_size`` blocks within the first ``kv_tokens − 1``
-    tokens (vLLM's ``find_longest_cache_hit``), so the tail past them is always recomputed, and the
-    cached part only with probability ``evict_risk``. ``block_size=None`` (unknown) discounts all of
-    it, the earlier pricing. Units: tokens.
-    """
-    if evict_risk >= 1.0 or not block_size:
-        return kv_tokens * evict_risk
-    whole = float(int(max(kv_tokens - 1.0, 0.0) // block_size) * block_size)
-    return (kv_tokens - whole) + whole * evict_risk
-
-
-def select_window(prio: np.ndarray, input_len: np.ndarray, batch_size: int, p: float,
-                  protect: bool = False) -> tuple[np.ndarray, dict]:
-    """GMAX batch composition (JITServe §4.2, Alg. 1 lines 16-26).
-
-    ``bp`` = B-th highest priority; candidates = ``priority ≥ p·bp``; candidates sorted by input
-    length (ties: higher priority first); the contiguous window of B candidates with the largest
-    summed priority is returned (indices into ``prio``, in priority-descending order) with an info
-    dict (``bp``, ``n_candidates``, ``window_score``, ``protected``). If N ≤ B all requests are returned.
-
-    ``protect=True`` (our extension, ``GMAXParams.window="protected"``): the candidates with
-    ``priority ≥ bp/p`` are kept outright (at most B, highest first) and the window of the remaining
-    ``B − kept`` slots slides over the other candidates only. The published rule maximises the
-    window's *sum*, so one very high priority with a long input can pull the window onto long inputs
-    and leave out every urgent short request (seen on the real engine: waiting compound calls at
-    40× the B-th priority rejected by admission control). With ``p = 1`` both rules are top-B.
-    O(N) selection + O(M log M) sort of the M candidates.
-    """
-    n = prio.shape[0]
-    b = batch_size
-    if n <= b:
-        idx = np.argsort(-prio, kind="stable")
-        return idx, {"bp": float(prio.min()) if n else 0.0, "n_candidates": n, "window_score": float(prio.sum()),
-                     "protected": n}
-    bp = float(np.partition(prio, n - b)[n - b])
-    cand = np.flatnonzero(prio >= p * bp)
-    n_cand = int(cand.size)
-    kept = np.zeros(0, np.int64)
-    if protect and bp > 0:
-        kept = cand[prio[cand] >= bp / p]
-        if kept.size > b:
-            kept = kept[np.argsort(-prio[kept], kind="stable")[:b]]
-        cand = np.setdiff1d(cand, kept, assume_unique=True)
-    n_protected = int(kept.size)
-    w = b - kept.size
-    score = float(prio[kept].sum())
-    if w > 0 and cand.size:
-        w = min(w, cand.size)
-        order = cand[np.lexsort((-prio[cand], input_len[cand]))]
-        cs = np.concatenate(([0.0], np.cumsum(prio[order])))
-        sums = cs[w:] - cs[:-w]
-        k = int(np.argmax(sums))
-        kept = np.concatenate((kept, order[k : k + w]))
-        score += float(sums[k])
-    win = kept[np.argsort(-prio[kept], kind="stable")]
-    return win, {"bp": bp, "n_candidates": n_cand, "window_score": score, "protected": n_protected}

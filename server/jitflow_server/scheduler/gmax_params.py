@@ -9,13 +9,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jitflow_server.scheduler.snapshot import (
-    Snapshot,
-)
+from jitflow_server.scheduler.snapshot import Snapshot
 from jitflow_server.scheduler.types import SchedContext
 
+#: A fairness score ``(snapshot, ctx) -> array of N in [0, 1]`` (1 = most deserving), JITServe §4.3.
 FairFn = Callable[[Snapshot, SchedContext], np.ndarray]
-
 
 
 @dataclass
@@ -83,7 +81,7 @@ class GMAXParams:
       top-priority request with an unusual input length. ``"protected"`` (ours) first keeps every
       request with ``priority ≥ priority(B-th)/p`` (clearly inside the top B), and slides the window
       only over the remaining slots and candidates, so the length-homogeneity trade happens among
-      near-equal priorities only, as §4.2 intends (see :func:`select_window`).
+      near-equal priorities only, as §4.2 intends (see :func:`~jitflow_server.scheduler.gmax.select_window`).
     - ``overrun`` [1.0]: a request that reached its length bound (``generated ≥ len_bound − 1``; the
       bound was too low) is estimated to need ``overrun × generated`` more tokens instead of the one
       token the bound implies, which would otherwise give it an extreme priority. 0 = off.
@@ -96,7 +94,7 @@ class GMAXParams:
       full-price stalls, which kept urgent compound calls out of the batch on the real engine until
       admission control rejected them. A risk over one frame made the simulated A100 preset churn.
       With ``SchedContext.kv_block_size`` known, the risk discounts only the whole blocks a hit can
-      return; the tail past the last whole block is charged in full (:func:`_recompute_tokens`).
+      return; the tail past the last whole block is charged in full (:func:`~jitflow_server.scheduler.gmax.recompute_tokens`).
       Without that, short requests on 128-token blocks were priced almost free to displace and GMAX
       thrashed under sustained overload on the slow CPU preset (measured: 771 preemptions restoring
       29,600 tokens, token goodput −35 % at 2 req/s).

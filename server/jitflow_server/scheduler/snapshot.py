@@ -180,6 +180,11 @@ class SnapshotCache:
         self._size = end
         return np.arange(start, end)
 
+    def rows_of(self, ids: Sequence[str]) -> np.ndarray:
+        """Cache rows (int64 array) of the ``ids`` the cache holds, in order; unknown ids are skipped."""
+        pos = self._pos
+        return np.fromiter((pos[i] for i in ids if i in pos), np.int64)
+
     def build(self, views: Sequence[RequestView]) -> Snapshot:
         """Columns of ``views`` (validated). Raises :class:`SchedulingInputError` on duplicate ids,
         negative lengths, unknown kinds, or a ``DEADLINE`` request without ``deadline``."""
