@@ -135,8 +135,8 @@ class FakeEngine:
             r.generated += 1
             fin = r.generated >= r.length
             r.queue.put_nowait(TokenDelta([100 + i % 50], f" t{i}", fin,
-                                          ("length" if r.request.ignore_eos or r.length == r.request.max_tokens
-                                           else "stop") if fin else None))
+                                          ("length" if r.length == r.request.max_tokens else "stop")
+                                          if fin else None))
             if fin:
                 self._running.remove(r)
                 r.done = True
