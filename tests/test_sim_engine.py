@@ -212,3 +212,41 @@ def test_prefix_cache_hits_are_whole_blocks():
     assert small["resumed"]["cached_tokens"] > 0 and small["resumed"]["cached_tokens"] % 16 == 0
     assert big["resumed"]["cached_tokens"] == 0  # 40 + ≤ 60 tokens never fill a 128-token block
     assert big["resumed"]["tokens"] > 0
+
+
+def test_policy_refusal_ends_call_rejected():
+    """A policy's own admission refusal (Decision.reject) ends a never-scheduled call REJECTED in the
+    simulator; the other calls are served."""
+    from jitflow_server.bench.estimates import LengthBounder
+    from jitflow_server.engine.jobs import CallSpec, Job
+    from jitflow_server.engine.sim import SimConfig, SimEngine
+    from jitflow_server.engine.step_model import StepModel
+    from jitflow_server.scheduler import make_policy
+
+    class RefuseOdd:
+        name = "refuse-odd"
+
+        def __init__(self):
+            self.inner = make_policy("fcfs")
+
+        def schedule(self, views, ctx):
+            d = self.inner.schedule(views, ctx)
+            bad = [v.req_id for v in views if not v.running and int(v.req_id[1:].split(".")[0]) % 2]
+            d.batch = [r for r in d.batch if r not in bad]
+            d.reject = bad
+            return d
+
+        def on_finished(self, req_id, goodput, now):
+            pass
+
+        def needs_recompute(self, step, arrivals_or_finishes):
+            return True
+
+    jobs = [Job(f"j{i}", "deadline", 0.1 * i, "batch", [[CallSpec(50, 20)]], deadline=30.0) for i in range(6)]
+    model = StepModel(name="t", base_s=0.01, per_decode_s=0.0, per_prefill_token_s=1e-5, per_ctx_token_s=0.0,
+                      hetero=0.0, kv_capacity_tokens=100_000, block_size=16, max_batched_tokens=4096,
+                      sarathi_chunk=512, batch_size=8)
+    out = SimEngine(model, RefuseOdd(), LengthBounder("oracle"), None, SimConfig(waiting_time=None)).run(jobs)
+    recs = {r["id"]: r for r in out["jobs"]}
+    assert [recs[f"j{i}"]["rejected"] for i in range(6)] == [False, True] * 3
+    assert [recs[f"j{i}"]["slo_met"] for i in range(6)] == [True, False] * 3

@@ -115,6 +115,7 @@ class JitflowScheduler(Scheduler):
         #: those the prefix cache still held (the rest was recomputed)
         self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}
         self.n_rejected = 0
+        self.n_policy_refusals = 0
         self.n_bad_hints = 0
         self.n_illegal_transitions = 0
         self._dirty = True
@@ -286,6 +287,11 @@ class JitflowScheduler(Scheduler):
         self.frame_no += 1
         self._plan_batch = list(decision.batch)
         self._plan_preempt = list(decision.preempt)
+        # A policy's own admission refusals (Decision.reject) are not ended here: vLLM's scheduler has
+        # no path that finishes a waiting request *and* tells the front end, so a refused request
+        # just stays out of the batch (served best-effort if capacity frees up) until the front end's
+        # waiting_time admission rejects it with a 429 (the simulator ends it at once).
+        self.n_policy_refusals += len(decision.reject)
         self._last_plan = (now, views, decision)
 
     def schedule(self, throttle_prefills: bool = False):  # type: ignore[override]
@@ -483,7 +489,7 @@ class JitflowScheduler(Scheduler):
             "kv_capacity_tokens": self._kv_capacity_tokens(),
             "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
             "resumed": dict(self.resumed),
-            "rejected": self.n_rejected, "bad_hints": self.n_bad_hints,
+            "rejected": self.n_rejected, "policy_refusals": self.n_policy_refusals, "bad_hints": self.n_bad_hints,
             "illegal_transitions": self.n_illegal_transitions, "tracker": self.tracker.summary(),
         }
 

@@ -207,6 +207,11 @@ class SimRun:
         self.frame_ms.append((time.perf_counter() - f0) * 1e3)
         self.plan = d.batch
         self.dirty = False
+        for rid in d.reject:  # the policy's own admission control (SLOs-Serve, QLM)
+            c = self.unsched.get(rid)
+            if c is not None:
+                self.finish_call(c, self.t, False, RequestState.REJECTED)
+                self.dirty = True
         for rid in d.preempt:
             c = self.live.get(rid)
             if c is not None and c.running:

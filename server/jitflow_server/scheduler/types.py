@@ -132,6 +132,10 @@ class Decision:
     (never in ``batch``). Running requests in neither list are *paused* (keep KV, not run this
     frame); waiting requests in ``batch`` are admitted. ``priorities`` maps every req_id the policy
     scored to its priority (for logging/inspection; larger = more urgent for every policy).
+    ``reject``: waiting req_ids that were never scheduled and that the policy's own admission
+    control refuses (SLOs-Serve's and QLM's admission; never in ``batch``): the engine ends them
+    ``REJECTED`` as it does for the shared ``waiting_time`` admission (JITServe §5). Ids that are
+    running or were scheduled before are ignored.
     """
 
     batch: list[str]
@@ -139,6 +143,7 @@ class Decision:
     priorities: dict[str, float]
     frame_id: int = 0
     info: dict = field(default_factory=dict)
+    reject: list[str] = field(default_factory=list)
 
 
 @runtime_checkable
