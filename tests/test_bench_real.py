@@ -86,7 +86,7 @@ def test_fidelity_real_from_replays_the_same_workload_analyzer_and_reports_a_ban
     ds = DataSources.load(tmp_path)  # no traces here: built-in length distributions
     jobs = make_workload(60, 3.0, data=ds, seed=0, length_scale=0.0625, max_context=8000, tightness=2.0)
     # exact length bounds: the real side's ignore_eos requests give the server their exact lengths
-    st = RunSettings(batch_size=32, waiting_time=5.0, baseline_admission=True, baseline_delta=50,
+    st = RunSettings(batch_size=32, waiting_time=5.0, admission="shared", baseline_delta=50,
                      length_scale=0.0625, seed=0, analyzer_model=analyzer_tm, length_bound="oracle")
     real = run_sim_one(jobs, engine_model, "gmax", st, ds, {}, refine_bounds=False)
     saved = {"config": {"model": "demo", "policies": ["gmax"], "duration": 20.0, "rps": 3.0, "requests": 60,

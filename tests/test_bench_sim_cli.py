@@ -20,7 +20,8 @@ def test_bench_sim_writes_results_and_plots(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert set(res["main"]) == {"0.5", "2.0"}
     for k, runs in res["main"].items():
-        assert set(runs) == {"gmax", "fcfs", "oracle", "gmax-noadmit"}  # + the capacity run
+        # + the capacity runs and the best other policy given the truth (the oracle's other half)
+        assert set(runs) == {"gmax", "fcfs", "oracle", "gmax-noadmit", "fcfs-noadmit", "best-other+truth"}
         wl = res["workloads"][k]
         for m in runs.values():
             assert m["jobs"] == 24
@@ -29,7 +30,12 @@ def test_bench_sim_writes_results_and_plots(tmp_path):
             assert m["output_tokens"] <= wl["output_tokens"]
             assert set(m["per_kind"]) <= {"latency", "deadline", "compound"}
             assert "frame_ms_p50" in m
-    assert "gmax_over_oracle" in res["headline"]["2.0"]
+    h = res["headline"]["2.0"]
+    assert h["admission"] == "shared" and h["best_other_token"] == "fcfs" and h["best_other_request"] == "fcfs"
+    assert h["oracle_source"] in ("oracle", "best-other+truth")
+    truth = max(runs[p]["token_goodput"] for p in ("oracle", "best-other+truth"))
+    assert h["gmax_over_oracle"] == pytest.approx(runs["gmax"]["token_goodput"] / truth)
+    assert runs["best-other+truth"]["variant"] == "fcfs+truth" and runs["best-other+truth"]["length_bound"] == "oracle"
     assert set(res["tightness"]["runs"]) == {"1.0"} and set(res["mix"]["runs"]) == {"1:0:0"}
     md = (out / "results.md").read_text()
     assert "Headline" in md and "| 2.0 | gmax |" in md
@@ -57,7 +63,7 @@ def test_bench_sim_seeds_average_with_intervals_and_capacity_run(tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     runs = res["main"]["6.0"]
-    assert set(runs) == {"gmax", "fcfs", "sjf", "gmax-noadmit"}  # the capacity run is added
+    assert set(runs) == {"gmax", "fcfs", "sjf", "gmax-noadmit", "fcfs-noadmit"}  # the capacity runs are added
     per_seed = res["per_seed"]
     assert set(per_seed) == {"0", "1", "2"}
     for p, m in runs.items():
@@ -66,11 +72,18 @@ def test_bench_sim_seeds_average_with_intervals_and_capacity_run(tmp_path):
         assert len(set(vals)) > 1  # different workloads per seed
         assert m["token_goodput_ci95"] > 0
     h = res["headline"]["6.0"]
-    assert h["seeds"] == 3 and h["gmax_over_best_baseline_ci95"] is not None
-    caps = [per_seed[s]["6.0"]["gmax-noadmit"]["throughput"] / per_seed[s]["6.0"]["fcfs"]["throughput"]
+    assert h["seeds"] == 3 and h["gmax_over_best_other_token_ci95"] is not None
+    assert h["admission"] == "shared" and len(h["best_other_request_per_seed"]) == 3
+    ratios = []  # each seed's ratio against that seed's best other policy, then averaged
+    for s in per_seed:
+        g = per_seed[s]["6.0"]
+        ratios.append(g["gmax"]["request_goodput"] / max(g["fcfs"]["request_goodput"], g["sjf"]["request_goodput"]))
+    assert h["gmax_request_over_best_other"] == pytest.approx(sum(ratios) / 3)
+    caps = [per_seed[s]["6.0"]["gmax-noadmit"]["throughput"] / per_seed[s]["6.0"]["fcfs-noadmit"]["throughput"]
             for s in per_seed]
     assert h["gmax_capacity_over_fcfs"] == pytest.approx(sum(caps) / 3)
-    assert runs["gmax-noadmit"]["rejected"] == 0 and runs["fcfs"]["rejected"] == 0
+    assert runs["gmax-noadmit"]["rejected"] == 0 and runs["fcfs-noadmit"]["rejected"] == 0
+    assert runs["fcfs"]["waiting_time"] == runs["gmax"]["waiting_time"] == 5.0  # shared admission by default
     assert "±" in (out / "results.md").read_text()
     r2 = CliRunner().invoke(app, [
         "bench", "sim", "--preset", "cpu-demo", "--policies", "gmax,fcfs", "--rps", "2", "--requests", "20",

@@ -37,6 +37,7 @@ def gmax(**kw) -> GMAXPolicy:
     kw.setdefault("free_pause", True)
     kw.setdefault("adapt_p", False)
     kw.setdefault("starvation_delta", 0.0)
+    kw.setdefault("request_weight", 0.0)  # the paper's token-only objective
     return GMAXPolicy(**kw)
 
 
@@ -368,3 +369,46 @@ def test_invalidate_rereads_static_fields():
     pol.invalidate("a")
     pol.schedule([a, b], ctx(now=1.0, b=1))
     assert list(pol.last_estimates.feasible) == [False, True]
+
+
+def test_request_weight_values_meeting_a_request_not_only_its_tokens():
+    """A chat reply (latency: goodput = its output tokens) against a deadline request of the same size
+    (goodput = input + output): the token objective ranks the deadline request 6× higher; with
+    request_weight each request is also worth w × the mean call's base goodput, once."""
+    chat = RequestView("chat", Kind.LATENCY, 1.0, 1000, 0, 200, False, ttft=2.0, tbt=0.1)
+    batch = dl("batch", 1000, 200, deadline=100.0, arrival=1.0)
+    c = ctx(now=1.0, b=1)
+    tokens = gmax(full_priorities=True).schedule([chat, batch], c).priorities
+    assert tokens["batch"] / tokens["chat"] == pytest.approx(1200 / 200, rel=1e-3)
+    both = gmax(full_priorities=True, request_weight=1.0).schedule([chat, batch], c).priorities
+    unit = (1200 + 1200) / 2  # mean base goodput R of the two calls
+    assert both["batch"] / both["chat"] == pytest.approx((1200 + unit) / (200 + unit), rel=1e-3)
+    # a compound stage group gets the value once, not once per member
+    members = [RequestView(f"m{i}", Kind.COMPOUND, 1.0, 100, 0, 50, False, deadline=1000.0, task_id="T",
+                           stage_index=0, task_tokens_est=600) for i in range(3)]
+    pol = gmax(request_weight=2.0)
+    pol.schedule(members, ctx(now=1.0, b=3))
+    assert list(pol.last_estimates.goodput) == [600 + 2.0 * 150] * 3
+    # a latency request that can no longer have every token on time gets no request value
+    late = RequestView("late", Kind.LATENCY, 0.0, 10, 0, 50, False, ttft=0.5, tbt=0.1)
+    pol = gmax(request_weight=1.0)
+    pol.schedule([late], ctx(now=1.0, b=1))
+    assert 0 < pol.last_estimates.goodput[0] < 50
+
+
+def test_future_margin_makes_a_later_stage_urgent_earlier():
+    """The analyzer's estimate of a task's later stages (task_rem_gen_time) is scaled by future_margin in
+    the laxity: with margin 2 a stage whose task has 40 s of slack for 30 s of later work is infeasible."""
+    def stage(rem: float) -> RequestView:
+        return RequestView("s", Kind.COMPOUND, 0.0, 100, 0, 100, False, deadline=41.0, task_id="T",
+                           stage_index=1, task_rem_gen_time=rem)
+
+    for margin, feasible in ((1.0, True), (2.0, False)):
+        pol = gmax(future_margin=margin)
+        pol.schedule([stage(30.0)], ctx(now=0.0, b=1))
+        assert bool(pol.last_estimates.feasible[0]) is feasible
+    for bad in (0.5, math.inf):
+        with pytest.raises(ValueError, match="future_margin"):
+            GMAXPolicy(future_margin=bad)
+    with pytest.raises(ValueError, match="request_weight"):
+        GMAXPolicy(request_weight=-1.0)

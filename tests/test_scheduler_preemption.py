@@ -86,7 +86,7 @@ def test_goodput_priced_stall_is_cheap_when_it_only_delays_best_effort_work():
             for i in range(2)]
     probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
     c = SchedContext(now=1.0, batch_size=2, token_time=0.005, prefill_rate=5000.0)
-    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA)
+    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, request_weight=0.0)
     by_tokens = GMAXPolicy(stall_value="tokens", **kw).schedule([*hogs, probe], c)
     assert "d" not in by_tokens.batch and by_tokens.info["swapped_back"] == 1
     by_goodput = GMAXPolicy(stall_value="goodput", **kw).schedule([*hogs, probe], c)
@@ -117,7 +117,8 @@ def test_prefix_cache_makes_a_pause_cheap_only_while_the_kv_cache_has_room():
     hogs = [RequestView(f"be{i}", Kind.BEST_EFFORT, 0.0, 20, 1500, 3000, True, kv_tokens=1520)
             for i in range(2)]
     probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
-    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens")
+    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens",
+              request_weight=0.0)
 
     def run(capacity: int, apc: bool):
         c = SchedContext(now=1.0, batch_size=2, token_time=0.005, prefill_rate=5000.0,
@@ -141,7 +142,8 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     assert recompute_tokens(128.0, 0.0, 128) == 128.0  # the last token is never a hit
     assert recompute_tokens(1520.0, 0.1, 128) == 112.0 + 1408.0 * 0.1  # tail in full, blocks at risk
     assert recompute_tokens(1520.0, 0.1, None) == 152.0  # block size unknown: all of it discounted
-    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens")
+    kw = dict(adapt_p=False, starvation_delta=0.0, free_pause=False, delta_steps=DELTA, stall_value="tokens",
+              request_weight=0.0)
     probe = RequestView("d", Kind.DEADLINE, 1.0, 10, 0, 40, False, deadline=1.25)
 
     def admitted(kv: int, prefill_rate: float, apc: bool, block: int | None, **extra) -> bool:

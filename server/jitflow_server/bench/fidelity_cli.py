@@ -110,7 +110,7 @@ def register(bench_app: typer.Typer) -> None:
             write_steps(real, step_file)
         # the real side sends ignore_eos requests, whose exact length the server gives the scheduler as
         # the bound: the simulated side gets the same exact bounds
-        st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, baseline_admission=True,
+        st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, admission="shared",
                          baseline_delta=baseline_delta, length_scale=length_scale, seed=seed,
                          analyzer_model=analyzer_model, length_bound="oracle")
         step_model: dict = {}

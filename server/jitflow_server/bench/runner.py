@@ -10,17 +10,28 @@
   ``sjf`` with the default analyzer, listed separately for the ablation table);
 - ``gmax-age`` / ``gmax-served``: GMAX with δ's frames counted from arrival (the core's default) or
   since the request was last served (the earlier rule, which thrashes under overload);
-- ``gmax-noadmit``: GMAX without admission control. It serves exactly the work FCFS serves, so its
-  makespan throughput over FCFS's is the scheduler's cost in serving capacity (the throughput target
-  of the benchmark; JITServe Fig. 14 compares against Sarathi-Serve the same way).
+- ``gmax-noadmit`` / ``fcfs-noadmit``: GMAX / FCFS without admission control. Both serve exactly the
+  same work, so the ratio of their makespan throughputs is the scheduler's cost in serving capacity
+  (the throughput target of the benchmark; JITServe Fig. 14 compares against Sarathi-Serve the same way).
 
 Baselines run frames of ``baseline_delta`` decode steps (default Δ = 50, like GMAX) plus a new
 frame on every arrival/finish: they re-rank exactly when their order can change through an
 arrival or finish; with Δ = 1, ``las`` would preempt at every token (Autellix uses time quanta).
 
-Admission control (``waiting_time``, JITServe §5) is part of JITServe: the GMAX variants always use
-it; the baselines (vLLM/Sarathi/Autellix/LTR-like, which have none) use it only with
-``baseline_admission=True`` (``jitflow bench sim --baseline-admission``).
+Admission control (``waiting_time``, JITServe §5: a call never scheduled within ``waiting_time`` s
+is rejected) is set by ``RunSettings.admission``:
+
+- ``shared`` (the default): every policy gets the same admission control (a fair comparison);
+  policies with an admission control of their own (SLOs-Serve, QLM) apply theirs on top
+  (``Decision.reject``), since ``waiting_time`` is the client's parameter that the front end honours
+  whatever the scheduler;
+- ``jitserve``: only the GMAX variants get it, as in the JITServe paper's evaluation (the baselines
+  it compares with have none);
+- ``off``: no policy gets it.
+
+The ``-noadmit`` variants never get it. A variant ``<policy>+truth`` runs ``<policy>`` with the true output
+lengths and the task's own graph (what the ``oracle`` gets), used to make the oracle an upper bound
+over every policy, not only GMAX.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from jitflow_server.engine.sim import SimConfig, SimEngine
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import POLICY_NAMES, make_policy
 
-EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age", "gmax-served", "gmax-noadmit")
+EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age", "gmax-served", "gmax-noadmit", "fcfs-noadmit")
 VARIANTS = (*POLICY_NAMES, *EXTRA_VARIANTS)
 
 
@@ -49,7 +60,7 @@ class RunSettings:
     quantile: float = 0.9
     batch_size: int | None = None
     waiting_time: float | None = 5.0
-    baseline_admission: bool = False
+    admission: str = "shared"
     baseline_delta: int = 50
     age_boost: bool = False
     gmax_params: dict = field(default_factory=dict)
@@ -66,9 +77,23 @@ def is_gmax_family(variant: str) -> bool:
     return variant.startswith("gmax") or variant == "oracle"
 
 
+ADMISSION_MODES = ("shared", "jitserve", "off")
+TRUTH = "+truth"
+
+
+def base_variant(variant: str) -> str:
+    """``variant`` without the ``+truth`` suffix."""
+    return variant[: -len(TRUTH)] if variant.endswith(TRUTH) else variant
+
+
+def is_other_policy(variant: str) -> bool:
+    """True for the policies GMAX is compared with (not a GMAX variant, an ablation or a truth run)."""
+    return not is_gmax_family(variant) and variant not in EXTRA_VARIANTS and not variant.endswith(TRUTH)
+
+
 def check_variants(names: list[str]) -> None:
     """Raise ``ValueError`` naming the valid variants if one is unknown."""
-    bad = [n for n in names if n not in VARIANTS]
+    bad = [n for n in names if base_variant(n) not in VARIANTS]
     if bad or not names:
         raise ValueError(f"unknown policies {bad}; valid: {', '.join(VARIANTS)}")
 
@@ -85,7 +110,8 @@ def build_policy(variant: str, st: RunSettings):
         return _gmax_with_clock("gmax", "arrival", **dict(st.gmax_params))
     if variant == "gmax-served":  # the earlier rule: δ counted since last served (recompute thrashing)
         return _gmax_with_clock("gmax", "served", **dict(st.gmax_params))
-    base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax", "gmax-noadmit": "gmax"}.get(variant, variant)
+    base = {"sjf-analyzer": "sjf", "gmax-noanalyzer": "gmax", "gmax-noadmit": "gmax",
+            "fcfs-noadmit": "fcfs"}.get(variant, variant)
     if base in ("gmax", "gmax-paper", "oracle"):
         if st.age_boost:  # δ from arrival for every GMAX-family variant (now the core's default)
             return _gmax_with_clock(base, "arrival", **dict(st.gmax_params))
@@ -102,8 +128,12 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     HTTP replay of the fidelity run, which cannot refine). Raises ``ValueError`` for an unknown variant.
     """
     check_variants([variant])
+    if st.admission not in ADMISSION_MODES:
+        raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {st.admission!r}")
+    truth = variant.endswith(TRUTH)
+    variant = base_variant(variant)
     an_mode, len_mode = st.analyzer, st.length_bound
-    if variant == "oracle":
+    if variant == "oracle" or truth:
         an_mode, len_mode = "oracle", "oracle"
     elif variant == "gmax-noanalyzer":
         an_mode, len_mode = "none", "average"
@@ -120,13 +150,14 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     if len_mode == "average":
         bounder.fit_averages(jobs)
     pol = build_policy(variant, st)
-    admit = variant != "gmax-noadmit" and (is_gmax_family(variant) or st.baseline_admission)
+    admit = not variant.endswith("-noadmit") and (st.admission == "shared"
+                                           or (st.admission == "jitserve" and is_gmax_family(variant)))
     wt = st.waiting_time if admit else None
     eng = SimEngine(model, pol, bounder, an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed))
     out = eng.run(jobs)
     span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
     res = summarize(out["jobs"], span, out["makespan"] - (jobs[0].arrival if jobs else 0.0), out["frame_ms"])
-    res.update(variant=variant, analyzer=an_mode, waiting_time=wt, length_bound=len_mode, steps=out["steps"],
+    res.update(variant=variant + (TRUTH if truth else ""), analyzer=an_mode, waiting_time=wt, length_bound=len_mode, steps=out["steps"],
                sim_preemptions=out["preemptions"], sim_preemptions_by_reason=out["preemptions_by_reason"],
                sim_resumed=out["resumed"],
                kv_peak_frac=out["kv_peak_blocks"] / out["kv_capacity_blocks"],

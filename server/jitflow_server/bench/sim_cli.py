@@ -11,13 +11,20 @@ from typing import Optional
 
 import typer
 
-DEFAULT_POLICIES = "gmax,gmax-age,fcfs,sarathi,sjf,las,edf,oracle"
+DEFAULT_POLICIES = "gmax,fcfs,sarathi,sjf,las,edf,oracle"
 PRESET_DEFAULTS = {
-    "a100-llama8b": {"rps": "1,2,3,4,6", "length_scale": 1.0, "max_context": None},
+    # loads from below to 2× the preset's capacity on the 1:1:1 mix (capacity_rps in the headline: 1.3 req/s)
+    "a100-llama8b": {"rps": "1,1.3,2,2.6", "length_scale": 1.0, "max_context": None},
     "cpu-demo": {"rps": "0.5,1,2,3,4", "length_scale": 0.0625, "max_context": 8000},
     "cpu-demo-avx512": {"rps": "2,4,6,10,14", "length_scale": 0.0625, "max_context": 8000},
 }
-SWEEP_POLICIES = ("gmax", "gmax-age", "sarathi", "edf", "sjf", "las")
+SWEEP_POLICIES = ("gmax", "sarathi", "edf", "sjf", "las")
+ABLATION = ("oracle", "gmax", "gmax-noanalyzer", "sjf-analyzer", "sarathi")  # JITServe Fig. 17
+
+
+ADMISSION_TEXT = {"shared": "the same waiting_time admission for every policy",
+                  "jitserve": "waiting_time admission for the GMAX variants only, as in the JITServe paper",
+                  "off": "no admission control"}
 
 
 def parse_floats(text: str, name: str) -> list[float]:
@@ -42,54 +49,76 @@ def resolve_data(data: Optional[Path]) -> Optional[Path]:
     return default_data_dir()
 
 
-def headline(main: dict, rps_key: str) -> dict:
-    """GMAX vs best baseline, vs oracle, throughput vs FCFS at one load (the benchmark's targets)."""
+def headline(main: dict, rps_key: str, admission: str = "shared") -> dict:
+    """GMAX against every other policy run at one load (the benchmark's targets).
+
+    Keys: ``admission`` (how admission control was applied: ``shared`` = the same for every policy);
+    ``best_other_token`` / ``best_other_request``: the other policy (not a GMAX variant, ablation or
+    truth run) with the highest token / request goodput, and GMAX's ratios to them
+    (``gmax_over_best_other_token``, ``gmax_request_over_best_other``); ``gmax_request_over_best_token_other``
+    (GMAX's request goodput over that of the token winner); the oracle (``oracle_source`` names the
+    run: GMAX with the truth, or the best other policy with the truth, whichever has the higher token
+    goodput) and ``gmax_over_oracle``; throughput over FCFS; capacity over FCFS (``gmax-noadmit``)."""
+    from jitflow_server.bench.runner import TRUTH, is_other_policy
+
     runs = main[rps_key]
-    out: dict = {"rps": float(rps_key)}
-    base = {p: r["token_goodput"] for p, r in runs.items() if p in ("fcfs", "sarathi", "edf", "sjf", "las")}
-    if "gmax" in runs and base:
-        best = max(base, key=base.get)
-        out["best_baseline"] = best
-        out["gmax_over_best_baseline"] = runs["gmax"]["token_goodput"] / max(base[best], 1e-9)
-        req_base = {p: runs[p]["request_goodput"] for p in base}
-        rb = max(req_base, key=req_base.get)
-        out["gmax_request_over_best_baseline"] = runs["gmax"]["request_goodput"] / max(req_base[rb], 1e-9)
-    if "gmax-age" in runs and base:
-        best = max(base, key=base.get)
-        out["gmax_age_over_best_baseline"] = runs["gmax-age"]["token_goodput"] / max(base[best], 1e-9)
-        if "oracle" in runs:
-            out["gmax_age_over_oracle"] = runs["gmax-age"]["token_goodput"] / max(runs["oracle"]["token_goodput"], 1e-9)
-        if "fcfs" in runs:
-            out["gmax_age_throughput_over_fcfs"] = runs["gmax-age"]["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
-    if "gmax" in runs and "oracle" in runs:
-        out["gmax_over_oracle"] = runs["gmax"]["token_goodput"] / max(runs["oracle"]["token_goodput"], 1e-9)
-    if "gmax" in runs and "fcfs" in runs:
-        out["gmax_throughput_over_fcfs"] = runs["gmax"]["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
-        gw, fw = runs["gmax"].get("throughput_window"), runs["fcfs"].get("throughput_window")
+    out: dict = {"rps": float(rps_key), "admission": admission}
+    others = {p: r for p, r in runs.items() if is_other_policy(p)}
+    g = runs.get("gmax")
+    if g is not None and others:
+        bt = max(others, key=lambda p: others[p]["token_goodput"])
+        br = max(others, key=lambda p: others[p]["request_goodput"])
+        out["best_other_token"], out["best_other_request"] = bt, br
+        out["gmax_over_best_other_token"] = g["token_goodput"] / max(others[bt]["token_goodput"], 1e-9)
+        out["gmax_request_over_best_other"] = g["request_goodput"] / max(others[br]["request_goodput"], 1e-9)
+        out["gmax_request_over_best_token_other"] = g["request_goodput"] / max(others[bt]["request_goodput"], 1e-9)
+    truths = {p: r for p, r in runs.items() if p == "oracle" or p.endswith(TRUTH)}
+    if g is not None and truths:
+        src = max(truths, key=lambda p: truths[p]["token_goodput"])
+        out["oracle_source"] = src
+        out["gmax_over_oracle"] = g["token_goodput"] / max(truths[src]["token_goodput"], 1e-9)
+        out["gmax_request_over_oracle"] = g["request_goodput"] / max(
+            max(r["request_goodput"] for r in truths.values()), 1e-9)
+    if "gmax-age" in runs and others:
+        best = max(others, key=lambda p: others[p]["token_goodput"])
+        out["gmax_age_over_best_other_token"] = runs["gmax-age"]["token_goodput"] / max(others[best]["token_goodput"], 1e-9)
+    if g is not None and "fcfs" in runs:
+        out["gmax_throughput_over_fcfs"] = g["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
+        gw, fw = g.get("throughput_window"), runs["fcfs"].get("throughput_window")
         if gw is not None and fw:
             out["gmax_window_throughput_over_fcfs"] = gw / fw
-        gt, ft = runs["gmax"].get("token_throughput_window"), runs["fcfs"].get("token_throughput_window")
+        gt, ft = g.get("token_throughput_window"), runs["fcfs"].get("token_throughput_window")
         if gt is not None and ft:
             out["gmax_window_token_throughput_over_fcfs"] = gt / ft
-    if "gmax-noadmit" in runs and "fcfs" in runs and runs["fcfs"].get("waiting_time") is None:
+    fcfs_all = runs.get("fcfs-noadmit") or (runs["fcfs"] if "fcfs" in runs and runs["fcfs"].get("waiting_time") is None
+                                            else None)
+    if "gmax-noadmit" in runs and fcfs_all is not None:
         # same work as FCFS (no request rejected by either): the scheduler's cost in serving capacity
-        out["gmax_capacity_over_fcfs"] = runs["gmax-noadmit"]["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
+        out["gmax_capacity_over_fcfs"] = runs["gmax-noadmit"]["throughput"] / max(fcfs_all["throughput"], 1e-9)
+    if fcfs_all is not None and fcfs_all.get("makespan_s"):
+        # FCFS serving every job: jobs per second of makespan is the engine's capacity on this workload
+        out["capacity_rps"] = fcfs_all["jobs"] / fcfs_all["makespan_s"]
+        out["load_over_capacity"] = out["rps"] / out["capacity_rps"]
     return out
 
 
 def aggregate_headlines(heads: list[dict]) -> dict:
     """Mean of per-seed :func:`headline` dicts, with ``<key>_ci95`` (95 % t-interval half-width) for
-    every ratio, ``best_baseline`` as the most frequent one and ``seeds`` = len(heads). Ratios are
+    every ratio, the best other policies and the oracle's source as the most frequent ones (with
+    ``<name>_per_seed``) and ``seeds`` = len(heads). Ratios are
     averaged per seed (each seed's ratio is measured side by side on one workload)."""
     from collections import Counter
 
     from jitflow_server.bench.metrics import ci95
 
-    out: dict = {"rps": heads[0]["rps"], "seeds": len(heads)}
-    bests = [h["best_baseline"] for h in heads if "best_baseline" in h]
-    if bests:
-        out["best_baseline"] = Counter(bests).most_common(1)[0][0]
-    keys = [k for k in heads[0] if k not in ("rps", "best_baseline") and all(k in h for h in heads)]
+    out: dict = {"rps": heads[0]["rps"], "seeds": len(heads), "admission": heads[0].get("admission")}
+    names = ("best_other_token", "best_other_request", "oracle_source")
+    for name in names:
+        vals = [h[name] for h in heads if name in h]
+        if vals:  # the most frequent one; the ratios are each seed's own
+            out[name] = Counter(vals).most_common(1)[0][0]
+            out[name + "_per_seed"] = vals
+    keys = [k for k in heads[0] if k not in ("rps", "admission", *names) and all(k in h for h in heads)]
     for k in keys:
         vals = [float(h[k]) for h in heads]
         out[k] = sum(vals) / len(vals)
@@ -102,19 +131,21 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                   analyzer: str, batch_size: Optional[int], waiting_time: float, length_scale: Optional[float],
                   ablation: bool, tightness_list: list[float], mixes: list[str], sweep_requests: int,
                   sweep_rps: Optional[float], gmax_params: dict, progress=None,
-                  baseline_admission: bool = False, age_boost: bool = False, seeds: int = 1) -> dict:
+                  admission: str = "shared", age_boost: bool = False, seeds: int = 1,
+                  scaling: tuple[int, ...] = ()) -> dict:
     """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring).
 
     ``seeds`` > 1 repeats the policy × load grid on workloads of seeds ``seed … seed+seeds−1``
     (arrivals, lengths and length-bound noise change): ``main`` then holds the mean of each metric
     (:func:`~jitflow_server.bench.metrics.mean_runs`), ``headline`` the mean ratio with its 95 %
     interval (:func:`aggregate_headlines`) and ``per_seed`` the main metrics of every run. The
-    ablation and the sweeps run on ``seed`` only."""
+    ablation and the sweeps run on ``seed`` only. ``scaling`` lists workload sizes (requests) simulated at the
+    top load under every policy, timing each run (``scaling`` in the results: wall s and µs per request)."""
     from dataclasses import replace
 
     from jitflow_server.bench.metrics import mean_runs
     from jitflow_server.bench.presets import load_preset
-    from jitflow_server.bench.runner import RunSettings, run_sim_one
+    from jitflow_server.bench.runner import TRUTH, RunSettings, is_other_policy, run_sim_one
     from jitflow_server.bench.workload import DataSources, make_workload, parse_mix, workload_summary
 
     model = load_preset(preset)
@@ -123,7 +154,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     data = DataSources.load(data_dir)
     st = RunSettings(analyzer=analyzer, length_bound=length_bound, batch_size=batch_size,
                      waiting_time=waiting_time if waiting_time > 0 else None, length_scale=ls, seed=seed,
-                     gmax_params=gmax_params, baseline_admission=baseline_admission, age_boost=age_boost)
+                     gmax_params=gmax_params, admission=admission, age_boost=age_boost)
     mix_w = parse_mix(mix)
     analyzers: dict = {}
     t0 = time.time()
@@ -140,7 +171,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                             "rps": rps_list, "requests": n_requests, "seed": seed, "arrivals": arrivals, "mix": mix,
                             "tightness": tightness, "length_bound": length_bound, "analyzer": analyzer,
                             "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time,
-                            "baseline_admission": baseline_admission, "age_boost": age_boost,
+                            "admission": admission, "age_boost": age_boost,
                             "length_scale": ls, "data": data.origin, "gmax_params": gmax_params},
                  "main": {}, "workloads": {}}
     res["config"]["seeds"] = seeds
@@ -156,15 +187,24 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
             for pol in policies:
                 tick(f"rps {rps}: {pol}" + (f" (seed {s})" if seeds > 1 else ""))
                 grid[str(rps)][pol] = run_sim_one(jobs, model, pol, st_s, data, analyzers)
+            if "oracle" in policies:  # the oracle bounds every policy: the best other one given the truth too
+                others = [p for p in policies if is_other_policy(p)]
+                if others:
+                    best = max(others, key=lambda p: grid[str(rps)][p]["token_goodput"])
+                    tick(f"rps {rps}: {best}{TRUTH}")
+                    grid[str(rps)]["best-other" + TRUTH] = run_sim_one(jobs, model, best + TRUTH, st_s, data,
+                                                                         analyzers)
         per_seed[s] = grid
     top = str(max(rps_list))
     if seeds == 1:
         res["main"] = per_seed[seed]
-        res["headline"] = {k: headline(res["main"], k) for k in res["main"]}
+        res["headline"] = {k: headline(res["main"], k, admission) for k in res["main"]}
     else:
         keys = [str(r) for r in rps_list]
-        res["main"] = {k: {p: mean_runs([per_seed[s][k][p] for s in per_seed]) for p in policies} for k in keys}
-        res["headline"] = {k: aggregate_headlines([headline(per_seed[s], k) for s in per_seed]) for k in keys}
+        names = list(per_seed[seed][keys[0]])
+        res["main"] = {k: {p: mean_runs([per_seed[s][k][p] for s in per_seed]) for p in names} for k in keys}
+        res["headline"] = {k: aggregate_headlines([headline(per_seed[s], k, admission) for s in per_seed])
+                           for k in keys}
         res["per_seed"] = {str(s): {k: {p: {m: r[m] for m in ("token_goodput", "request_goodput", "throughput",
                                                                "slo_attainment", "rejected")}
                                         for p, r in g[k].items()} for k in keys} for s, g in per_seed.items()}
@@ -172,10 +212,10 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     if ablation:
         jobs = wl(n_requests, float(top))
         ab: dict = {}
-        for v in ("oracle", "gmax", "gmax-age", "gmax-noanalyzer", "sjf-analyzer", "sarathi"):
+        for v in ABLATION:
             tick(f"ablation: {v}")
-            if v in res["main"][top]:
-                ab[v] = res["main"][top][v]
+            if v in per_seed[seed][top]:  # the same workload (seed ``seed``) as the other ablation runs
+                ab[v] = per_seed[seed][top][v]
             else:
                 ab[v] = run_sim_one(jobs, model, v, st, data, analyzers)
         res["ablation"] = {"rps": float(top), "runs": ab}
@@ -196,15 +236,32 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
             for pol in sweep_pols:
                 tick(f"mix {mx}: {pol}")
                 res["mix"]["runs"][mx][pol] = run_sim_one(jobs, model, pol, st, data, analyzers)
+    if scaling:
+        res["scaling"] = {"rps": float(top), "runs": {}}
+        for n in scaling:
+            jobs = wl(n, float(top))
+            res["scaling"]["runs"][str(n)] = {}
+            for pol in policies:
+                tick(f"scaling {n}: {pol}")
+                w0 = time.perf_counter()
+                r = run_sim_one(jobs, model, pol, st, data, analyzers)
+                wall = time.perf_counter() - w0
+                res["scaling"]["runs"][str(n)][pol] = {"wall_s": wall, "us_per_request": wall / n * 1e6,
+                                                       "steps": r["steps"], "frame_ms_p50": r.get("frame_ms_p50"),
+                                                       "frame_ms_p99": r.get("frame_ms_p99")}
     res["wall_s"] = time.time() - t0
     return res
 
 
 def count_runs(policies: list[str], rps_list: list[float], ablation: bool, tightness_list: list[float],
-               mixes: list[str], seeds: int = 1) -> int:
+               mixes: list[str], seeds: int = 1, scaling: tuple[int, ...] = ()) -> int:
     """Number of progress ticks of :func:`run_sim_bench`."""
+    from jitflow_server.bench.runner import is_other_policy
+
     n_sw = len([p for p in SWEEP_POLICIES if p in policies]) or min(3, len(policies))
-    return (len(policies) * len(rps_list) * seeds + (6 if ablation else 0)
+    truth = 1 if "oracle" in policies and any(is_other_policy(p) for p in policies) else 0
+    return ((len(policies) + truth) * len(rps_list) * seeds + (len(ABLATION) if ablation else 0)
+            + len(policies) * len(scaling)
             + n_sw * (len(tightness_list) + len(mixes)))
 
 
@@ -239,7 +296,7 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
          f"{cfg['requests']} requests per load, mix {cfg['mix']} (latency:deadline:compound), arrivals "
          f"{cfg['arrivals']}, SLO tightness {cfg['tightness']}, length bounds `{cfg['length_bound']}`, analyzer "
          f"`{cfg['analyzer']}`, B = {cfg['batch_size']}, waiting_time {cfg['waiting_time']} s "
-         f"({'all policies' if cfg.get('baseline_admission') else 'GMAX variants only'}), length scale "
+         f"(admission `{cfg.get('admission')}`: {ADMISSION_TEXT.get(cfg.get('admission'), '?')}), length scale "
          f"{cfg['length_scale']}, seed {cfg['seed']}, δ aged from arrival for all GMAX variants: "
          f"{cfg.get('age_boost', False)}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", ""]
     n_seeds = cfg.get("seeds", 1)
@@ -249,21 +306,23 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
               "(side by side on one workload) and then averaged. Ablation and sweeps: seed "
               f"{cfg['seed']} only.", ""]
     L += ["## Headline (targets)", "",
-          "`capacity / FCFS` is the throughput target: `gmax-noadmit` (GMAX without admission control) "
-          "serves the same requests as FCFS, so the ratio of makespan throughputs is what GMAX's ordering and "
-          "preemptions cost in serving capacity. The next columns compare different work: with admission "
-          "control GMAX rejects requests FCFS serves late, and serves prompt-heavy compound calls first.", "",
-          "| RPS | GMAX / best baseline (token) | best baseline | GMAX / best baseline (request) | GMAX / oracle | "
-          "GMAX capacity / FCFS (same work) | GMAX throughput / FCFS | GMAX steady-state thr. / FCFS | "
-          "GMAX steady-state prompt+output thr. / FCFS | gmax-age / best baseline | gmax-age / oracle |",
-          "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          f"Admission: `{cfg.get('admission')}` ({ADMISSION_TEXT.get(cfg.get('admission'), '?')}). "
+          "GMAX is compared with the best *other* policy at each load, separately for token goodput (SLO-meeting "
+          "tokens/s) and request goodput (SLO-meeting requests/s: a compound task counts once), so a win on one "
+          "that loses the other shows. The oracle is the better of GMAX and the best other policy, each given the "
+          "true output lengths and task graphs. `capacity / FCFS`: `gmax-noadmit` (GMAX without admission "
+          "control) serves the same requests as FCFS, so the ratio of makespan throughputs is what GMAX's "
+          "ordering and preemptions cost in serving capacity.", "",
+          "| RPS (× capacity) | GMAX / best other (token) | best other (token) | GMAX / best other (request) | "
+          "best other (request) | GMAX / oracle (token) | oracle run | GMAX throughput / FCFS | "
+          "GMAX capacity / FCFS (same work) |",
+          "|---:|---:|---|---:|---|---:|---|---:|---:|"]
     for k, h in res["headline"].items():
-        L.append(f"| {k} | {_fci(h, 'gmax_over_best_baseline')} | {h.get('best_baseline', '–')} | "
-                 f"{_fci(h, 'gmax_request_over_best_baseline')} | {_fci(h, 'gmax_over_oracle')} | "
-                 f"{_fci(h, 'gmax_capacity_over_fcfs')} | "
-                 f"{_fci(h, 'gmax_throughput_over_fcfs')} | {_fci(h, 'gmax_window_throughput_over_fcfs')} | "
-                 f"{_fci(h, 'gmax_window_token_throughput_over_fcfs')} | "
-                 f"{_fci(h, 'gmax_age_over_best_baseline')} | {_fci(h, 'gmax_age_over_oracle')} |")
+        xc = f" ({h['load_over_capacity']:.1f}×)" if h.get("load_over_capacity") else ""
+        L.append(f"| {k}{xc} | {_fci(h, 'gmax_over_best_other_token')} | {h.get('best_other_token', '–')} | "
+                 f"{_fci(h, 'gmax_request_over_best_other')} | {h.get('best_other_request', '–')} | "
+                 f"{_fci(h, 'gmax_over_oracle')} | {h.get('oracle_source', '–')} | "
+                 f"{_fci(h, 'gmax_throughput_over_fcfs')} | {_fci(h, 'gmax_capacity_over_fcfs')} |")
     L += ["", "## Goodput, throughput and SLO attainment per policy and load", "",
           "| RPS | policy | token goodput (tok/s) | request goodput (req/s) | SLO att. | att. latency | att. deadline | "
           "att. compound | throughput (tok/s) | steady-state thr. (tok/s) | steady-state prompt+output (tok/s) | "
@@ -320,6 +379,15 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
             ratios = [f"{q}: {runs[q]['token_goodput'] / max(max(others), 1e-9):.2f}" for q in pols
                       if is_gmax_family(q)] if others else []
             L.append(f"| {x} | " + " | ".join(f"{v:.0f}" for v in vals) + f" | {', '.join(ratios) or '–'} |")
+    if "scaling" in res:
+        sc = res["scaling"]
+        pols = list(next(iter(sc["runs"].values())))
+        L += ["", f"## Simulator cost at {sc['rps']} requests/s: wall seconds (µs per request)", "",
+              "Cost per request that stays flat as the workload grows means the cost is linear in its size.", "",
+              "| requests | " + " | ".join(pols) + " |", "|---:|" + "---:|" * len(pols)]
+        for n, runs in sc["runs"].items():
+            L.append(f"| {n} | " + " | ".join(f"{runs[p]['wall_s']:.1f} ({runs[p]['us_per_request']:.0f})"
+                                              for p in pols) + " |")
     L += ["", "Plots: " + ", ".join(f"`{p.name}`" for p in figs if p is not None), ""]
     (out / "results.md").write_text("\n".join(L))
     return [p for p in figs if p is not None]
@@ -350,9 +418,10 @@ def register(bench_app: typer.Typer) -> None:
         age_boost: bool = typer.Option(False, "--age-boost/--no-age-boost",
                                        help="Apply the proposed δ fix (boost aged from arrival, as gmax-age) to "
                                        "every GMAX-family variant (gmax, oracle, gmax-noanalyzer, gmax-paper)."),
-        baseline_admission: bool = typer.Option(False, "--baseline-admission/--no-baseline-admission",
-                                                help="Apply the waiting_time admission control to the baselines "
-                                                "too (default: only to GMAX variants, as in the paper)."),
+        admission: str = typer.Option("shared", "--admission",
+                                      help="shared: the same waiting_time admission control for every policy "
+                                      "(a fair comparison; SLOs-Serve and QLM add their own); jitserve: GMAX "
+                                      "variants only, as in the JITServe paper; off: none."),
         length_scale: Optional[float] = typer.Option(None, "--length-scale", min=0.001,
                                                      help="Scale of trace lengths (default per preset)."),
         ablation: bool = typer.Option(True, "--ablation/--no-ablation", help="Fig. 17 ablation at the top load."),
@@ -367,8 +436,11 @@ def register(bench_app: typer.Typer) -> None:
         seeds: int = typer.Option(1, "--seeds", min=1, help="Repeat the policy × load grid on this many workload seeds "
                                   "(seed, seed+1, …); reports means with 95 % intervals (JITServe §6.1 averages 5)."),
         capacity: bool = typer.Option(True, "--capacity/--no-capacity",
-                                      help="Also run gmax-noadmit (GMAX without admission control) to measure "
-                                      "GMAX's serving capacity on the same work as FCFS (the throughput target)."),
+                                      help="Also run gmax-noadmit and fcfs-noadmit (without admission control) "
+                                      "to measure GMAX's serving capacity on the same work as FCFS (the throughput "
+                                      "target)."),
+        scaling: str = typer.Option("", "--scaling", help="Comma-separated workload sizes (requests) to time every "
+                                    "policy on at the top load, e.g. 1000,10000,50000 ('' = skip)."),
         quick: bool = typer.Option(False, "--quick", help="Small run (< 2 min): 150 requests, 3 loads, short sweeps."),
     ) -> None:
         """Simulate GMAX and the baselines on the mixed workload; write results and plots."""
@@ -395,6 +467,8 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of {LENGTH_MODES}", param_hint="--length-bound")
         if analyzer not in ("pattern", "none"):
             raise typer.BadParameter(f"choose one of {ANALYZER_MODES[::2]}", param_hint="--analyzer")
+        if admission not in ADMISSION_TEXT:
+            raise typer.BadParameter(f"choose one of {', '.join(ADMISSION_TEXT)}", param_hint="--admission")
         if arrivals not in ("poisson", "azure"):
             raise typer.BadParameter("choose poisson or azure", param_hint="--arrivals")
         dflt = PRESET_DEFAULTS.get(model.name, {"rps": "1,2,4"})
@@ -416,12 +490,14 @@ def register(bench_app: typer.Typer) -> None:
             t_list = [0.8, 1.0, 1.5] if tightness_list.strip() else []
             mix_list = ["1:1:1", "1:0:0", "0:0:1"] if mix_list else []
             sweep_requests = sweep_requests or 90
-        if capacity and "gmax" in pols and "fcfs" in pols and "gmax-noadmit" not in pols:
-            pols.append("gmax-noadmit")
+        if capacity and "gmax" in pols and "fcfs" in pols:
+            pols += [v for v in ("gmax-noadmit", "fcfs-noadmit")
+                     if v not in pols and (v == "gmax-noadmit" or admission != "off")]
         sw_n = sweep_requests or min(requests, 1500)
         data_dir = resolve_data(data)
         gparams = parse_params(param)
-        ticks = count_runs(pols, rps_list, ablation, t_list, mix_list, seeds)
+        sizes = tuple(int(x) for x in parse_floats(scaling, "--scaling")) if scaling.strip() else ()
+        ticks = count_runs(pols, rps_list, ablation, t_list, mix_list, seeds, sizes)
         cols = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                 TimeElapsedColumn())
         try:
@@ -429,7 +505,8 @@ def register(bench_app: typer.Typer) -> None:
                 prog.add_task("simulating", total=ticks)
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
-                                    mix_list, sw_n, sweep_rps, gparams, prog, baseline_admission, age_boost, seeds)
+                                    mix_list, sw_n, sweep_rps, gparams, prog, admission, age_boost, seeds,
+                                    sizes)
         except (WorkloadError, ValueError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
@@ -438,8 +515,10 @@ def register(bench_app: typer.Typer) -> None:
         con = Console()
         top = str(max(rps_list))
         h = res["headline"][top]
-        con.print(f"[bold]{model.name}[/bold] at {top} req/s: GMAX/best baseline ({h.get('best_baseline')}) "
-                  f"{_fmt(h.get('gmax_over_best_baseline'))}×, GMAX/oracle {_fmt(h.get('gmax_over_oracle'))}, "
+        con.print(f"[bold]{model.name}[/bold] at {top} req/s, admission {admission}: GMAX / best other: token "
+                  f"{_fmt(h.get('gmax_over_best_other_token'))}× ({h.get('best_other_token')}), request "
+                  f"{_fmt(h.get('gmax_request_over_best_other'))}× ({h.get('best_other_request')}); "
+                  f"GMAX/oracle {_fmt(h.get('gmax_over_oracle'))}, "
                   f"capacity vs FCFS (same work) {_fmt(h.get('gmax_capacity_over_fcfs'))}, "
                   f"throughput vs FCFS {_fmt(h.get('gmax_throughput_over_fcfs'))} (steady state "
                   f"{_fmt(h.get('gmax_window_throughput_over_fcfs'))}, prompt+output "

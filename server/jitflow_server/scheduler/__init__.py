@@ -43,8 +43,8 @@ _BASELINES: dict[str, type[OrderPolicy]] = {
 
 def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: docs/scheduling.md), ``gmax-paper``
-    (the paper's ``goodput/t_gen`` ranking, window and stall pricing, JITServe §4.2: ``jit=False,
-    free_pause=True, stall_value="tokens", window="paper", overrun=0``),
+    (the paper's ``goodput/t_gen`` ranking, window, stall pricing and token-only objective, JITServe §4.2:
+    ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.
 
     ``params`` are :class:`GMAXParams` fields for the GMAX family, and ``best_effort_deadline``,
@@ -61,6 +61,7 @@ def make_policy(name: str, **params: Any) -> Policy:
             params.setdefault("stall_value", "tokens")
             params.setdefault("window", "paper")
             params.setdefault("overrun", 0.0)
+            params.setdefault("request_weight", 0.0)  # the paper's token-only objective
         if key == "oracle":
             params.setdefault("use_true_len", True)
         return GMAXPolicy(name=key, **params)

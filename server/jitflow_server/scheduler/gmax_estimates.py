@@ -109,6 +109,9 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
     t_gen = len_rem * v + pre
     out_total = gen + len_rem
     base = prm.input_weight * snap.input_len + prm.output_weight * out_total
+    # the value of meeting one request's SLO, in tokens: request_weight × the mean call's base goodput,
+    # so that the objective counts SLO-meeting requests as well as tokens, in the workload's own units
+    req_value = prm.request_weight * float(base.mean()) if prm.request_weight > 0 and base.size else 0.0
     kind = snap.kind
     n = snap.n
     goodput = np.zeros(n)
@@ -132,7 +135,13 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         feasible[i] = cnt > 0
         t_rem[i] = snap.arrival[i] + ttft + (out_total[i] - 1.0) * tbt - now
         if marginal is not None:
-            marginal[i] = prm.output_weight * (cnt - on_time_tokens(now + frame_s, *args))
+            later = on_time_tokens(now + frame_s, *args)
+            marginal[i] = prm.output_weight * (cnt - later)
+        if req_value > 0:
+            whole = cnt >= len_rem[i] - 1e-9  # every remaining token can still be on time
+            goodput[i] += req_value * whole
+            if marginal is not None:
+                marginal[i] += req_value * (whole & (later < len_rem[i] - 1e-9))
 
     # deadline-sensitive and best-effort (default deadline after arrival)
     for i, weight, is_be in ((dl_i, 1.0, False), (be_i, prm.best_effort_weight, True)):
@@ -145,9 +154,10 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         t_rem[i] = tr
         ok = t_gen[i] <= tr + 1e-9
         feasible[i] = ok
-        goodput[i] = np.where(ok, base[i] * weight, 0.0)
+        val = base[i] * weight + (0.0 if is_be else req_value)
+        goodput[i] = np.where(ok, val, 0.0)
         if marginal is not None:
-            marginal[i] = np.where(ok & (t_gen[i] > tr - frame_s), base[i] * weight, 0.0)
+            marginal[i] = np.where(ok & (t_gen[i] > tr - frame_s), val, 0.0)
 
     # compound stage groups: aggregate over members, share one priority
     if comp_i.size:
@@ -157,10 +167,10 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         tg = t_gen[i]
         sum_tgen = np.bincount(g, tg, minlength=ng)
         max_tgen = group_max(tg, g, ng)
-        rem_future = group_max(snap.task_rem_gen_time[i], g, ng, 0.0)
+        rem_future = prm.future_margin * group_max(snap.task_rem_gen_time[i], g, ng, 0.0)
         tok_est = group_max(np.nan_to_num(snap.task_tokens_est[i], nan=-np.inf), g, ng)
         tok_sum = np.bincount(g, base[i], minlength=ng)
-        g_tokens = np.where(np.isfinite(tok_est) & (tok_est > 0), tok_est, tok_sum)
+        g_tokens = np.where(np.isfinite(tok_est) & (tok_est > 0), tok_est, tok_sum) + req_value
         task_dl = group_max(np.nan_to_num(snap.deadline[i], nan=-np.inf), g, ng)
         sub_dl = group_max(np.nan_to_num(snap.sub_deadline[i], nan=-np.inf), g, ng)
         has_sub = np.isfinite(sub_dl)
