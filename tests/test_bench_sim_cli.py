@@ -110,3 +110,23 @@ def test_mean_runs_and_ci95():
     assert ci95([3.0]) is None
     with pytest.raises(ValueError):
         mean_runs([])
+
+
+def test_bench_tune_reports_ratios_against_the_best_other_policy(tmp_path):
+    out = tmp_path / "tune"
+    r = CliRunner().invoke(app, [
+        "bench", "tune", "--preset", "cpu-demo", "--grid", "request_weight=0,1", "--rps", "3", "--seeds", "100,101",
+        "--requests", "30", "--others", "fcfs,sjf", "--data", str(tmp_path), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "tune.json").read_text())
+    assert [row["params"] for row in res["rows"]] == [{"request_weight": 0}, {"request_weight": 1}]
+    assert res["config"]["seeds"] == [100, 101] and res["config"]["admission"] == "shared"
+    for row in res["rows"]:
+        cell = row["loads"]["3.0"]
+        assert row["worst_token"] == cell["token_over_best_other"] > 0
+        assert row["worst_request"] == cell["request_over_best_other"] >= 0
+    assert res["chosen"] in [row["params"] for row in res["rows"]]
+    assert "(chosen)" in (out / "tune.md").read_text()
+    bad = CliRunner().invoke(app, ["bench", "tune", "--grid", "no_such_param=1", "--requests", "5", "--rps", "1",
+                                   "--seeds", "100", "--others", "fcfs", "--data", str(tmp_path), "--out", str(out)])
+    assert bad.exit_code == 2 and "no_such_param" in bad.output

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from jitflow_server.bench import engine_cli, fidelity_cli, frame_cli, sim_cli, stepfit
+from jitflow_server.bench import engine_cli, fidelity_cli, frame_cli, sim_cli, stepfit, tune_cli
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -14,3 +14,4 @@ def register(bench_app: typer.Typer) -> None:
     engine_cli.register(bench_app)
     fidelity_cli.register(bench_app)
     stepfit.register(bench_app)
+    tune_cli.register(bench_app)
