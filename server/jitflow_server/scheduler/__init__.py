@@ -26,11 +26,16 @@ from jitflow_server.scheduler.baselines import (
 from jitflow_server.scheduler.gmax import GMAXPolicy, select_window
 from jitflow_server.scheduler.gmax_estimates import estimate, on_time_tokens
 from jitflow_server.scheduler.gmax_params import GMAXParams
+from jitflow_server.scheduler.peer_common import PeerPolicy
+from jitflow_server.scheduler.qlm import QLMPolicy
 from jitflow_server.scheduler.replicas import best_replica, dummy_copies
 from jitflow_server.scheduler.snapshot import SchedulingInputError
+from jitflow_server.scheduler.tempo import TempoPolicy
 from jitflow_server.scheduler.types import Decision, Kind, Policy, RequestView, SchedContext
+from jitflow_server.scheduler.vllm_priority import VLLMPriorityPolicy
 
-POLICY_NAMES = ("gmax", "gmax-paper", "fcfs", "sarathi", "edf", "sjf", "las", "oracle")
+POLICY_NAMES = ("gmax", "gmax-paper", "fcfs", "sarathi", "edf", "sjf", "las", "oracle", "vllm-priority", "tempo",
+                "qlm")
 
 _BASELINES: dict[str, type[OrderPolicy]] = {
     "fcfs": FCFSPolicy,
@@ -40,16 +45,26 @@ _BASELINES: dict[str, type[OrderPolicy]] = {
     "las": LASPolicy,
 }
 
+_PEERS: dict[str, type[PeerPolicy]] = {
+    "vllm-priority": VLLMPriorityPolicy,
+    "tempo": TempoPolicy,
+    "qlm": QLMPolicy,
+}
+
 
 def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: docs/scheduling.md), ``gmax-paper``
     (the paper's ``goodput/t_gen`` ranking, window, stall pricing and token-only objective, JITServe §4.2:
     ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0``),
-    ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``.
+    ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``, and the
+    peer baselines ``vllm-priority`` (vLLM's priority scheduling with SLO-derived priorities),
+    ``tempo`` (Tempo's service-density scheduling) and ``qlm`` (QLM's request groups and virtual queue).
 
     ``params`` are :class:`GMAXParams` fields for the GMAX family, and ``best_effort_deadline``,
-    ``delta_steps``, ``default_ttft``, ``default_tbt`` for the baselines (``las`` also takes
-    ``quantum``, ``levels``, ``ratio``, ``starvation_ratio``, ``mlfq``: see :class:`LASPolicy`).
+    ``delta_steps``, ``default_ttft``, ``default_tbt``, ``full_priorities`` for the baselines (``las``
+    also takes ``quantum``, ``levels``, ``ratio``, ``starvation_ratio``, ``mlfq``: see :class:`LASPolicy`;
+    each peer baseline its own, listed in its class's ``PARAMS``: :class:`VLLMPriorityPolicy`,
+    :class:`TempoPolicy`, :class:`QLMPolicy`).
     Raises ``ValueError`` naming the valid names/parameters for an unknown name or parameter, or
     for an invalid value.
     """
@@ -65,6 +80,13 @@ def make_policy(name: str, **params: Any) -> Policy:
         if key == "oracle":
             params.setdefault("use_true_len", True)
         return GMAXPolicy(name=key, **params)
+    peer = _PEERS.get(key)
+    if peer is not None:
+        try:
+            return peer(**params)
+        except TypeError as exc:
+            raise ValueError(
+                f"invalid parameter for policy {key!r} ({exc}); valid: {', '.join(peer.PARAMS)}") from None
     cls = _BASELINES.get(key)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")
@@ -89,12 +111,16 @@ __all__ = [
     "Kind",
     "LASPolicy",
     "OrderPolicy",
+    "PeerPolicy",
     "Policy",
+    "QLMPolicy",
     "RequestView",
     "SJFPolicy",
     "SarathiPolicy",
     "SchedContext",
     "SchedulingInputError",
+    "TempoPolicy",
+    "VLLMPriorityPolicy",
     "best_replica",
     "dummy_copies",
     "estimate",
