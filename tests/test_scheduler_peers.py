@@ -37,7 +37,9 @@ def test_peers_are_registered_and_served():
         assert name in POLICY_NAMES
         assert name in served_policies()
         assert make_policy(name).name == name
-    assert "slos-serve" not in POLICY_NAMES
+    from jitflow_server.scheduler import SLOsServePolicy
+
+    assert "slos-serve" in served_policies() and isinstance(make_policy("slos-serve"), SLOsServePolicy)
     assert isinstance(make_policy("vllm-priority"), VLLMPriorityPolicy)
     assert isinstance(make_policy("tempo"), TempoPolicy)
     assert isinstance(make_policy("qlm"), QLMPolicy)

@@ -29,13 +29,14 @@ from jitflow_server.scheduler.gmax_params import GMAXParams
 from jitflow_server.scheduler.peer_common import PeerPolicy
 from jitflow_server.scheduler.qlm import QLMPolicy
 from jitflow_server.scheduler.replicas import best_replica, dummy_copies
+from jitflow_server.scheduler.slos_serve import SLOsServePolicy
 from jitflow_server.scheduler.snapshot import SchedulingInputError
 from jitflow_server.scheduler.tempo import TempoPolicy
 from jitflow_server.scheduler.types import Decision, Kind, Policy, RequestView, SchedContext
 from jitflow_server.scheduler.vllm_priority import VLLMPriorityPolicy
 
 POLICY_NAMES = ("gmax", "gmax-paper", "fcfs", "sarathi", "edf", "sjf", "las", "oracle", "vllm-priority", "tempo",
-                "qlm")
+                "qlm", "slos-serve")
 
 _BASELINES: dict[str, type[OrderPolicy]] = {
     "fcfs": FCFSPolicy,
@@ -49,6 +50,7 @@ _PEERS: dict[str, type[PeerPolicy]] = {
     "vllm-priority": VLLMPriorityPolicy,
     "tempo": TempoPolicy,
     "qlm": QLMPolicy,
+    "slos-serve": SLOsServePolicy,
 }
 
 
@@ -58,13 +60,14 @@ def make_policy(name: str, **params: Any) -> Policy:
     ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``, and the
     peer baselines ``vllm-priority`` (vLLM's priority scheduling with SLO-derived priorities),
-    ``tempo`` (Tempo's service-density scheduling) and ``qlm`` (QLM's request groups and virtual queue).
+    ``tempo`` (Tempo's service-density scheduling), ``qlm`` (QLM's request groups and virtual queue) and
+    ``slos-serve`` (SLOs-Serve's dynamic-programming admission and soft admission control).
 
     ``params`` are :class:`GMAXParams` fields for the GMAX family, and ``best_effort_deadline``,
     ``delta_steps``, ``default_ttft``, ``default_tbt``, ``full_priorities`` for the baselines (``las``
     also takes ``quantum``, ``levels``, ``ratio``, ``starvation_ratio``, ``mlfq``: see :class:`LASPolicy`;
     each peer baseline its own, listed in its class's ``PARAMS``: :class:`VLLMPriorityPolicy`,
-    :class:`TempoPolicy`, :class:`QLMPolicy`).
+    :class:`TempoPolicy`, :class:`QLMPolicy`, :class:`SLOsServePolicy`).
     Raises ``ValueError`` naming the valid names/parameters for an unknown name or parameter, or
     for an invalid value.
     """
@@ -116,6 +119,7 @@ __all__ = [
     "QLMPolicy",
     "RequestView",
     "SJFPolicy",
+    "SLOsServePolicy",
     "SarathiPolicy",
     "SchedContext",
     "SchedulingInputError",
