@@ -412,3 +412,14 @@ def test_future_margin_makes_a_later_stage_urgent_earlier():
             GMAXPolicy(future_margin=bad)
     with pytest.raises(ValueError, match="request_weight"):
         GMAXPolicy(request_weight=-1.0)
+
+
+def test_compound_value_prices_a_stage_group_by_the_task_or_by_its_own_calls():
+    members = [RequestView(f"m{i}", Kind.COMPOUND, 1.0, 100, 0, 50, False, deadline=1000.0, task_id="T",
+                           stage_index=0, task_tokens_est=6000) for i in range(2)]
+    for value, expected in (("task", 6000.0), ("stage", 2 * (100 + 50))):
+        pol = gmax(compound_value=value)
+        pol.schedule(members, ctx(now=1.0, b=2))
+        assert list(pol.last_estimates.goodput) == [expected] * 2
+    with pytest.raises(ValueError, match="compound_value"):
+        GMAXPolicy(compound_value="job")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-DEFAULT_POLICIES = "gmax,gmax-paper,oracle,fcfs,sarathi,edf,sjf,las"
+DEFAULT_POLICIES = "gmax,gmax-paper,oracle,fcfs,sarathi,edf,sjf,las,slos-serve,qlm,tempo,vllm-priority"
 
 
 def _parse_sizes(text: str) -> list[int]:

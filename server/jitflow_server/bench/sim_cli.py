@@ -11,14 +11,14 @@ from typing import Optional
 
 import typer
 
-DEFAULT_POLICIES = "gmax,fcfs,sarathi,sjf,las,edf,oracle"
+DEFAULT_POLICIES = "gmax,fcfs,sarathi,sjf,las,edf,slos-serve,qlm,tempo,vllm-priority,oracle"
 PRESET_DEFAULTS = {
     # loads from below to 2× the preset's capacity on the 1:1:1 mix (capacity_rps in the headline: 1.3 req/s)
     "a100-llama8b": {"rps": "1,1.3,2,2.6", "length_scale": 1.0, "max_context": None},
     "cpu-demo": {"rps": "0.5,1,2,3,4", "length_scale": 0.0625, "max_context": 8000},
     "cpu-demo-avx512": {"rps": "2,4,6,10,14", "length_scale": 0.0625, "max_context": 8000},
 }
-SWEEP_POLICIES = ("gmax", "sarathi", "edf", "sjf", "las")
+SWEEP_POLICIES = ("gmax", "sarathi", "edf", "sjf", "las", "tempo", "slos-serve")
 ABLATION = ("oracle", "gmax", "gmax-noanalyzer", "sjf-analyzer", "sarathi")  # JITServe Fig. 17
 
 
@@ -401,9 +401,10 @@ def register(bench_app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", help="Output directory (results.json, results.md, *.png)."),
         preset: str = typer.Option("a100-llama8b", "--preset", help="cpu-demo | a100-llama8b | preset JSON file."),
         policies: str = typer.Option(DEFAULT_POLICIES, "--policies",
-                                     help="Comma-separated: gmax, gmax-paper, fcfs, sarathi, edf, sjf, las, oracle, "
-                                     "gmax-noanalyzer, sjf-analyzer, gmax-age (δ aged from arrival), gmax-noadmit "
-                                     "(no admission control)."),
+                                     help="Comma-separated: gmax, gmax-paper, fcfs, sarathi, edf, sjf, las, "
+                                     "slos-serve, qlm, tempo, vllm-priority, oracle, gmax-noanalyzer, sjf-analyzer, "
+                                     "gmax-age (δ aged from arrival), gmax-noadmit / fcfs-noadmit (no admission "
+                                     "control); POLICY+truth runs POLICY with true lengths and task graphs."),
         rps: Optional[str] = typer.Option(None, "--rps", help="Comma-separated loads (requests/s); default per preset."),
         requests: int = typer.Option(3000, "--requests", min=1, help="Requests (jobs) per load."),
         seed: int = typer.Option(0, "--seed", help="Seed of workloads and length-bound noise."),

@@ -170,7 +170,10 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         rem_future = prm.future_margin * group_max(snap.task_rem_gen_time[i], g, ng, 0.0)
         tok_est = group_max(np.nan_to_num(snap.task_tokens_est[i], nan=-np.inf), g, ng)
         tok_sum = np.bincount(g, base[i], minlength=ng)
-        g_tokens = np.where(np.isfinite(tok_est) & (tok_est > 0), tok_est, tok_sum) + req_value
+        if prm.compound_value == "stage":  # the stage's own tokens: see GMAXParams.compound_value
+            g_tokens = tok_sum + req_value
+        else:
+            g_tokens = np.where(np.isfinite(tok_est) & (tok_est > 0), tok_est, tok_sum) + req_value
         task_dl = group_max(np.nan_to_num(snap.deadline[i], nan=-np.inf), g, ng)
         sub_dl = group_max(np.nan_to_num(snap.sub_deadline[i], nan=-np.inf), g, ng)
         has_sub = np.isfinite(sub_dl)

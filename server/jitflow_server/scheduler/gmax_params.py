@@ -101,7 +101,7 @@ class GMAXParams:
     - ``block_pricing`` [True]: the whole-block rule above; False discounts all of the KV (the earlier rule).
       Measured side by side (docs/scheduling.md "Whole-block pricing"): True wins under sustained
       overload and on the A100 preset, False on short bursts and on the AVX-512 CPU preset.
-    - ``request_weight`` [1.0]: the value of meeting one request's SLO, as a multiple of the mean call's
+    - ``request_weight`` [1.5]: the value of meeting one request's SLO, as a multiple of the mean call's
       base goodput in the frame (``request_weight × mean(R)`` tokens), added to the goodput of every
       latency request whose remaining tokens can all be on time, every feasible deadline request and
       every feasible compound stage group (once per task); best-effort requests get none. The
@@ -111,14 +111,22 @@ class GMAXParams:
       SJF or LAS. The paper notes that GMAX runs over any goodput definition, request-level included
       (§3, §6.2); this weight blends the two, so neither count is given up for the other. 0 = the
       paper's token objective. Chosen on a tuning workload (docs/benchmarks.md).
-    - ``future_margin`` [1.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
+    - ``future_margin`` [2.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
       the task's later stages need). The current stage is sized with the length *upper bound* and the
       engine's *measured* decode speed, the later stages with the matched graph's typical lengths
       and the analyzer's static time model, so the later stages are underestimated against the
       current one (measured in the ``a100-llama8b`` simulation: 40 ms steps under load against a
       15 ms model); just-in-time pacing then starts stages too late and tasks turn infeasible after
       work was spent on them. The margin restores the same conservatism for the rest of the task
-      (in its laxity, feasibility and priority). 1 = the analyzer's estimate as is.
+      (in its laxity, feasibility and priority); 2 is about the median bound/true ratio of a q = 0.9
+      length bound (the simulator's noisy bound: 2.15; the QRF on unseen models: 1.8-2.0, see
+      docs/analyzer.md). 1 = the analyzer's estimate as is.
+    - ``compound_value`` ["task"]: the goodput of a compound stage group. "task" (JITServe §4.2): the
+      task's estimated total tokens (``task_tokens_est``), since the stage unlocks the whole task;
+      "stage": the tokens of the stage's own calls. With "task" every stage of a task is priced at the
+      whole task over its remaining time, which overstates a task whenever its later stages are
+      underestimated (see ``future_margin``) and starts tasks that are later abandoned; measured in
+      docs/benchmarks.md.
     - ``task_commitment`` [1.0]: priority multiplier (≥ 1) for feasible stage groups of tasks past
       their first stage (work already invested that is lost if a later stage is not admitted).
       1 = off; measured in docs/benchmarks.md.
@@ -160,9 +168,10 @@ class GMAXParams:
     starvation_clock: str = "waiting"
     free_pause: bool = False
     stall_value: str = "goodput"
-    request_weight: float = 1.0
+    request_weight: float = 1.5
     task_commitment: float = 1.0
-    future_margin: float = 1.0
+    future_margin: float = 2.0
+    compound_value: str = "task"
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -184,6 +193,8 @@ class GMAXParams:
                 f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")
         if self.compound_priority not in ("aggregate", "slowest"):
             raise ValueError(f"compound_priority must be 'aggregate' or 'slowest', got {self.compound_priority!r}")
+        if self.compound_value not in ("task", "stage"):
+            raise ValueError(f"compound_value must be 'task' or 'stage', got {self.compound_value!r}")
         if self.window not in ("protected", "paper"):
             raise ValueError(f"window must be 'protected' or 'paper', got {self.window!r}")
         if not self.evict_frames >= 0:
