@@ -19,20 +19,21 @@ Data (``data_dir``, default ``../shared/data`` relative to the repository when p
 
 SLOs (JITServe §6.1): TTFT 2 s, TBT 100 ms, deadline 20 s, compound 20 s × stages, all multiplied
 by ``tightness`` (a global factor: < 1 tighter, > 1 looser).
+
+Jobs are built by :class:`JobFactory`, which the trace replay (``bench/traces.py``) shares, so a
+replayed trace gets the same SLOs and compound task shapes as a synthetic workload.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
-from jitflow_server.engine.jobs import CallSpec, Job
+from jitflow_server.engine.jobs import PREFIX_BLOCK_TOKENS, CallSpec, Job
 
 KINDS = ("latency", "deadline", "compound")
 BASE_TTFT, BASE_TBT, BASE_DEADLINE, BASE_STAGE_DEADLINE = 2.0, 0.1, 20.0, 20.0
@@ -51,27 +52,17 @@ def default_data_dir() -> Path | None:
 
 def load_azure_trace(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """The Azure LLM inference trace (2023) CSV: arrival times (s from the first row, float array) and
-    ``(ContextTokens, GeneratedTokens)`` pairs (int array of shape (n, 2)).
+    ``(ContextTokens, GeneratedTokens)`` pairs (int array of shape (n, 2)), sorted by arrival.
 
-    Raises :class:`WorkloadError` for an unreadable file or a row without those columns.
+    Parsed by :func:`jitflow_server.bench.traces.load_trace`. Raises :class:`WorkloadError` for an
+    unreadable or empty file, a file that is not an Azure trace CSV, or a bad row (line and field named).
     """
-    times, pairs = [], []
-    try:
-        with open(path, newline="", encoding="utf-8") as fh:
-            for row in csv.DictReader(fh):
-                ts = row["TIMESTAMP"].strip()
-                if "." in ts:  # 7 fractional digits: trim to microseconds for datetime
-                    a, b = ts.split(".")
-                    ts = a + "." + b[:6]
-                times.append(datetime.fromisoformat(ts).timestamp())
-                pairs.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-    except (OSError, KeyError, ValueError) as e:
-        raise WorkloadError(f"{path}: not an Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens): "
-                            f"{e}") from e
-    if not times:
-        raise WorkloadError(f"{path}: no rows")
-    t = np.asarray(times)
-    return t - t[0], np.asarray(pairs, dtype=np.int64)
+    from jitflow_server.bench.traces import load_trace
+
+    tr = load_trace(path)
+    if tr.format != "azure":
+        raise WorkloadError(f"{path}: not an Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
+    return tr.arrival_s, np.stack([tr.input_len, tr.output_len], axis=1)
 
 
 @dataclass
@@ -116,7 +107,8 @@ class DataSources:
 
 
 def _lognormal_int(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
-    return int(np.clip(round(rng.lognormal(math.log(median), sigma)), lo, hi))
+    # plain min/max: np.clip on a scalar costs ~4 µs, most of the time of building a large workload
+    return int(min(max(round(rng.lognormal(math.log(median), sigma)), lo), hi))
 
 
 def builtin_single(rng: np.random.Generator) -> tuple[int, int]:
@@ -191,6 +183,130 @@ def arrival_times(n: int, rps: float, mode: str, rng: np.random.Generator, data:
     raise WorkloadError(f"arrivals must be 'poisson' or 'azure', got {mode!r}")
 
 
+def check_job_params(tightness: float, length_scale: float, compound_apps: tuple[str, ...],
+                     max_context: int | None = None) -> None:
+    """Validate the job-shaping parameters shared by :func:`make_workload` and trace replay.
+
+    Raises :class:`WorkloadError` for ``tightness <= 0`` or non-finite, ``length_scale <= 0``, an unknown
+    compound app, or ``max_context < 2`` tokens.
+    """
+    if not (tightness > 0 and math.isfinite(tightness)):
+        raise WorkloadError(f"tightness must be > 0, got {tightness}")
+    if not (length_scale > 0):
+        raise WorkloadError(f"length_scale must be > 0, got {length_scale}")
+    for a in compound_apps:
+        if a not in ("deep-research", "tot"):
+            raise WorkloadError(f"unknown compound app {a!r} (deep-research, tot)")
+    if max_context is not None and max_context < 2:
+        raise WorkloadError(f"max_context must be >= 2 tokens, got {max_context}")
+
+
+def kind_sequence(n: int, mix: tuple[float, float, float], rng: np.random.Generator) -> np.ndarray:
+    """``n`` kind indices into :data:`KINDS` following ``mix`` exactly up to rounding (largest-remainder
+    apportionment of the weights latency:deadline:compound), in a random order drawn from ``rng``.
+
+    Raises :class:`WorkloadError` for a mix with a negative or non-finite weight or a zero sum.
+    """
+    w = np.asarray(mix, float)
+    if w.shape != (3,) or not np.isfinite(w).all() or w.sum() <= 0 or (w < 0).any():
+        raise WorkloadError(f"bad mix {mix}")
+    quota = w / w.sum() * n
+    counts = np.floor(quota).astype(int)
+    for i in np.argsort(-(quota - counts), kind="stable")[: n - counts.sum()]:
+        counts[i] += 1
+    kinds = np.repeat(np.arange(3), counts)
+    rng.shuffle(kinds)
+    return kinds
+
+
+class JobFactory:
+    """Builds the jobs of one workload: per-kind SLOs, length scaling and compound task shapes.
+
+    Shared by :func:`make_workload` (synthetic) and :func:`jitflow_server.bench.traces.trace_workload`
+    (replayed traces), so both give a kind the same SLOs (s; see the module docstring) and draw compound
+    stage structures from the same sources, consuming ``rng`` in the same order. Compound apps alternate
+    in ``compound_apps`` over the factory's compound jobs. Parameters are not validated here (see
+    :func:`check_job_params`).
+    """
+
+    def __init__(self, data: DataSources, rng: np.random.Generator, *, tightness: float = 1.0,
+                 length_scale: float = 1.0, max_context: int | None = None,
+                 compound_apps: tuple[str, ...] = ("deep-research", "tot"), tool_time: float = 0.5) -> None:
+        self.data, self.rng = data, rng
+        self.tightness, self.length_scale, self.max_context = tightness, length_scale, max_context
+        self.compound_apps, self.tool_time = compound_apps, tool_time
+        self.n_compound = 0
+
+    def call(self, i: int, o: int, prefix_ids: tuple[int, ...] | None = None) -> CallSpec:
+        """A call of ``i`` input and ``o`` output tokens, times ``length_scale`` (each >= 1 token), with
+        input + output capped at ``max_context``. ``prefix_ids`` (ids of the prompt's
+        :data:`~jitflow_server.engine.jobs.PREFIX_BLOCK_TOKENS`-token blocks) are re-blocked to the scaled
+        prompt (:func:`rescale_prefix_ids`) and cut to its length."""
+        ls, mc = self.length_scale, self.max_context
+        ii, oo = max(1, int(round(i * ls))), max(1, int(round(o * ls)))
+        if mc is not None and ii + oo > mc:
+            ii = max(1, mc - oo)
+            if ii + oo > mc:
+                oo = max(1, mc - 1)
+                ii = 1
+        if prefix_ids:
+            return CallSpec(ii, oo, rescale_prefix_ids(prefix_ids, ls, ii))
+        return CallSpec(ii, oo)
+
+    def single(self, jid: str, kind: str, t: float, call: CallSpec) -> Job:
+        """A ``latency`` (app ``chat``: TTFT, TBT SLOs) or ``deadline`` (app ``batch``) job of one call
+        arriving at ``t`` s."""
+        if kind == "latency":
+            return Job(jid, kind, t, "chat", [[call]], ttft=BASE_TTFT * self.tightness, tbt=BASE_TBT * self.tightness)
+        return Job(jid, kind, t, "batch", [[call]], deadline=BASE_DEADLINE * self.tightness)
+
+    def sampled_single(self, jid: str, kind: str, t: float) -> Job:
+        """A single-call job whose lengths are drawn from the Azure pairs (or the built-in fit)."""
+        data, rng = self.data, self.rng
+        if data.pairs is not None:
+            i, o = data.pairs[int(rng.integers(0, len(data.pairs)))]
+        else:
+            i, o = builtin_single(rng)
+        return self.single(jid, kind, t, self.call(int(i), int(o)))
+
+    def compound(self, jid: str, t: float) -> Job:
+        """A compound job arriving at ``t`` s: the next app of ``compound_apps``, stages from a deep-research
+        trace record (built-in generator without one) or the tot generator; deadline 20 s per stage."""
+        data, rng = self.data, self.rng
+        app = self.compound_apps[self.n_compound % len(self.compound_apps)]
+        self.n_compound += 1
+        if app == "deep-research":
+            st = (data.deepresearch[int(rng.integers(0, len(data.deepresearch)))] if data.deepresearch
+                  else builtin_deepresearch(rng))
+        else:
+            st = builtin_tot(rng)
+        stages = [[self.call(i, o) for i, o in s] for s in st]
+        return Job(jid, "compound", t, app, stages, deadline=BASE_STAGE_DEADLINE * len(stages) * self.tightness,
+                   tool_time=self.tool_time)
+
+
+def rescale_prefix_ids(ids: tuple[int, ...], length_scale: float, input_len: int) -> tuple[int, ...]:
+    """Prefix-block ids for a prompt of ``input_len`` tokens whose lengths were scaled by ``length_scale``.
+
+    ``ids`` name the original prompt's ``B`` = :data:`~jitflow_server.engine.jobs.PREFIX_BLOCK_TOKENS`-token
+    blocks (equal ids at equal positions: shared prefix). Scaled block ``j`` covers original blocks
+    ``floor(j/s) .. ceil((j+1)/s) - 1``; its id is a hash of theirs, so two scaled prompts share a block iff
+    the original prompts shared every block it covers. With ``s = 1`` the ids are kept; in every case
+    they are cut to the ``ceil(input_len / B)`` blocks of the prompt.
+    """
+    n = -(-int(input_len) // PREFIX_BLOCK_TOKENS)
+    if length_scale == 1.0:
+        return tuple(ids[:n])
+    out = []
+    for j in range(n):
+        a = math.floor(j / length_scale)
+        if a >= len(ids):
+            break
+        b = max(a + 1, min(len(ids), math.ceil((j + 1) / length_scale)))
+        out.append(hash(tuple(ids[a:b])))
+    return tuple(out)
+
+
 def make_workload(
     n_jobs: int,
     rps: float,
@@ -207,69 +323,28 @@ def make_workload(
 ) -> list[Job]:
     """Build ``n_jobs`` jobs (JITServe §6.1 workload; see module docstring), sorted by arrival.
 
-    Kinds follow ``mix`` exactly up to rounding (largest-remainder apportionment, then shuffled).
-    ``length_scale`` multiplies every input/output length (≥ 1 token; used to fit the CPU demo
-    engine); ``max_context`` caps input + output of each call. Compound apps alternate in
-    ``compound_apps``. Raises :class:`WorkloadError` for bad parameters.
+    Kinds follow ``mix`` exactly up to rounding (largest-remainder apportionment, then shuffled:
+    :func:`kind_sequence`). ``length_scale`` multiplies every input/output length (≥ 1 token; used to
+    fit the CPU demo engine); ``max_context`` caps input + output of each call (tokens). Compound apps
+    alternate in ``compound_apps``; ``tool_time`` s between stages. Jobs are built by
+    :class:`JobFactory`. Raises :class:`WorkloadError` for bad parameters.
     """
     if n_jobs < 0:
         raise WorkloadError("n_jobs must be >= 0")
-    if not (tightness > 0 and math.isfinite(tightness)):
-        raise WorkloadError(f"tightness must be > 0, got {tightness}")
-    if not (length_scale > 0):
-        raise WorkloadError(f"length_scale must be > 0, got {length_scale}")
-    for a in compound_apps:
-        if a not in ("deep-research", "tot"):
-            raise WorkloadError(f"unknown compound app {a!r} (deep-research, tot)")
+    check_job_params(tightness, length_scale, compound_apps)
     data = data or DataSources.load(None)
     rng = np.random.default_rng(seed)
-    w = np.asarray(mix, float)
-    if w.sum() <= 0 or (w < 0).any():
-        raise WorkloadError(f"bad mix {mix}")
-    quota = w / w.sum() * n_jobs
-    counts = np.floor(quota).astype(int)
-    for i in np.argsort(-(quota - counts), kind="stable")[: n_jobs - counts.sum()]:
-        counts[i] += 1
-    kinds = np.repeat(np.arange(3), counts)
-    rng.shuffle(kinds)
+    kinds = kind_sequence(n_jobs, mix, rng)
     times = arrival_times(n_jobs, rps, arrivals, rng, data)
-
-    def scale(i: int, o: int) -> CallSpec:
-        ii, oo = max(1, int(round(i * length_scale))), max(1, int(round(o * length_scale)))
-        if max_context is not None and ii + oo > max_context:
-            ii = max(1, max_context - oo)
-            if ii + oo > max_context:
-                oo = max(1, max_context - 1)
-                ii = 1
-        return CallSpec(ii, oo)
-
+    fac = JobFactory(data, rng, tightness=tightness, length_scale=length_scale, max_context=max_context,
+                     compound_apps=compound_apps, tool_time=tool_time)
     jobs: list[Job] = []
-    n_comp = 0
     for j in range(n_jobs):
         k = KINDS[int(kinds[j])]
-        jid = f"j{j}"
-        if k in ("latency", "deadline"):
-            if data.pairs is not None:
-                i, o = data.pairs[int(rng.integers(0, len(data.pairs)))]
-            else:
-                i, o = builtin_single(rng)
-            call = scale(int(i), int(o))
-            if k == "latency":
-                jobs.append(Job(jid, k, float(times[j]), "chat", [[call]], ttft=BASE_TTFT * tightness,
-                                tbt=BASE_TBT * tightness))
-            else:
-                jobs.append(Job(jid, k, float(times[j]), "batch", [[call]], deadline=BASE_DEADLINE * tightness))
-            continue
-        app = compound_apps[n_comp % len(compound_apps)]
-        n_comp += 1
-        if app == "deep-research":
-            st = (data.deepresearch[int(rng.integers(0, len(data.deepresearch)))] if data.deepresearch
-                  else builtin_deepresearch(rng))
+        if k == "compound":
+            jobs.append(fac.compound(f"j{j}", float(times[j])))
         else:
-            st = builtin_tot(rng)
-        stages = [[scale(i, o) for i, o in s] for s in st]
-        jobs.append(Job(jid, "compound", float(times[j]), app, stages,
-                        deadline=BASE_STAGE_DEADLINE * len(stages) * tightness, tool_time=tool_time))
+            jobs.append(fac.sampled_single(f"j{j}", k, float(times[j])))
     return jobs
 
 

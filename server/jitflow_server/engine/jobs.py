@@ -2,21 +2,32 @@
 
 A :class:`Job` is one request (``latency``/``deadline``: one call) or one compound task (stages of
 parallel calls with tool time between them), with its SLO and arrival time (s); a :class:`CallSpec`
-one LLM call's input and output lengths (tokens). The true output length lives here, inside the
-simulator's inputs, and never reaches a real engine.
+one LLM call's input and output lengths (tokens), and optionally the ids of its prompt's
+:data:`PREFIX_BLOCK_TOKENS`-token blocks (``prefix_ids``, from a trace's ``hash_ids``), which drive the
+simulator's cross-request prefix cache. The true output length lives here, inside the simulator's
+inputs, and never reaches a real engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Tokens per prefix block named by :attr:`CallSpec.prefix_ids` (the Mooncake trace's ``hash_ids`` block size).
+PREFIX_BLOCK_TOKENS = 512
+
 
 @dataclass(slots=True)
 class CallSpec:
-    """One LLM call: prompt and true output length (tokens)."""
+    """One LLM call: prompt and true output length (tokens).
+
+    ``prefix_ids``: ids of the prompt's consecutive :data:`PREFIX_BLOCK_TOKENS`-token blocks (the last one
+    may be partial); calls whose ids agree on a leading run share that prefix (tokens), so the
+    simulator's prefix cache can skip its prefill. ``None``: no sharing information (no cross-request hits).
+    """
 
     input_len: int
     output_len: int
+    prefix_ids: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)

@@ -23,6 +23,18 @@ It mirrors what the vLLM plug-in (``engine/plugin.py``) does, in virtual time:
   call re-admitted before the queue turns over gets its full blocks back (the miss that made the
   simulator thrash under LAS and overstate recompute costs: docs/benchmarks.md);
   preemptions are counted by reason (``policy``, ``slots``, ``kv``, ``blocked``);
+- cross-request prefix caching (only for calls whose :class:`~jitflow_server.engine.jobs.CallSpec` has
+  ``prefix_ids``, e.g. a replayed Mooncake trace's ``hash_ids``; only with ``StepModel.prefix_caching``):
+  a global cache of 512-token prefix blocks, keyed by the chain of ids up to each block (so a block hits
+  only after the same preceding blocks, like vLLM's block hashes). A call starting its prefill with the
+  leading ``k`` blocks cached skips ``min(512·k, input − 1)`` tokens, rounded down to ``block_size``
+  (for a preempted call, the larger of this and its own-blocks hit above); a call's blocks are inserted
+  (and touched) when its prefill completes. The cache is an LRU of at most ``kv_capacity_tokens // 512``
+  blocks: vLLM keeps a cached block hit-able while any running request shares it and, once freed, until
+  the free queue reuses it, so the cache can reach the whole KV cache and evicts the least recently used
+  content first. This is optimistic under KV pressure (running calls' private blocks shrink the real
+  cache), and hits do not reduce the hitting call's KV block count (shared blocks are counted once per
+  call, conservatively). Calls without ``prefix_ids`` never touch the cache, so their runs are unchanged;
 - admission control (JITServe §5): a call never scheduled within ``waiting_time`` is rejected;
 - step time from the preset (:class:`~jitflow_server.bench.presets.StepModel`), with the
   heterogeneity penalty; stretches of pure decode steps with an unchanged plan are advanced in one
@@ -72,6 +84,16 @@ class StageAdvisor(Protocol):
     def stage_info(self, job: Job, s: int, t0: float) -> Any: ...
 
 
+def prefix_keys(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Cache keys of a prompt's prefix blocks: key ``i`` hashes ``ids[0..i]`` (chained), so a block is
+    found only after the same preceding blocks (equal ids at the same positions)."""
+    keys, h = [], 0
+    for x in ids:
+        h = hash((h, x))
+        keys.append(h)
+    return tuple(keys)
+
+
 class SimulationError(RuntimeError):
     """The simulation cannot proceed (e.g. a call larger than the whole KV cache)."""
 
@@ -116,6 +138,7 @@ class _Call:
     cache_evict_at: int = 0  # prefix cache: allocation count at which its first freed block is reused
     cache_blocks: int = 0  # ... how many blocks it freed (0: nothing cached)
     cache_full: int = 0  # ... of which full blocks (reusable)
+    prefix_keys: tuple | None = None  # chained keys of CallSpec.prefix_ids (cross-request prefix cache)
     bound_at: int = -1
     life: Lifecycle | None = None  # the request state machine shared with the vLLM plug-in
     token_times: list = field(default_factory=list)
@@ -140,7 +163,8 @@ class SimEngine:
     ``run(jobs)`` returns a dict with ``jobs`` (one record per job: kind, app, arrival, slo_met,
     goodput tokens, ttft/tbt_mean/e2el s, output tokens, rejected, preemptions), ``makespan`` s,
     ``frame_ms`` (wall ms of each ``policy.schedule`` call), ``steps``, ``preemptions``,
-    ``prefill_tokens`` (prompt tokens computed, recomputation included), ``kv_peak_blocks`` and ``wall_s``.
+    ``prefill_tokens`` (prompt tokens computed, recomputation included), ``prefix_hit_tokens`` (prefill
+    tokens skipped thanks to the cross-request prefix cache), ``kv_peak_blocks`` and ``wall_s``.
     ``on_step(t, step, n_scheduled, used_kv_blocks)`` is called after every (macro-)step. Raises :class:`SimulationError` if a call cannot fit the KV cache.
     """
 
@@ -183,6 +207,8 @@ class SimEngine:
         call = _Call(rid, js, s, c.input_len, c.output_len, now, v, float(self.rng.standard_normal()),
                      (job.kind, job.app, s), self.cfg.waiting_time, life=Lifecycle(now))
         v.len_bound = self.bounder.bound(c.output_len, 0, call.z, call.cls)
+        if c.prefix_ids:
+            call.prefix_keys = prefix_keys(c.prefix_ids)
         return call
 
     def _start_stage(self, js: _JobState, now: float) -> list[_Call]:

