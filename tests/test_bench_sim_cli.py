@@ -130,3 +130,25 @@ def test_bench_tune_reports_ratios_against_the_best_other_policy(tmp_path):
     bad = CliRunner().invoke(app, ["bench", "tune", "--grid", "no_such_param=1", "--requests", "5", "--rps", "1",
                                    "--seeds", "100", "--others", "fcfs", "--data", str(tmp_path), "--out", str(out)])
     assert bad.exit_code == 2 and "no_such_param" in bad.output
+
+
+def test_bench_sim_replays_a_trace(tmp_path):
+    rows = [{"timestamp": 250 * i, "input_length": 200 + 10 * i, "output_length": 20 + i, "hash_ids": [1, 2 + i % 3]}
+            for i in range(30)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "sim"
+    args = ["bench", "sim", "--preset", "cpu-demo", "--policies", "gmax,fcfs", "--rps", "2", "--requests", "24",
+            "--no-ablation", "--tightness-sweep", "", "--mix-sweep", "", "--no-capacity", "--data", str(tmp_path)]
+    r = CliRunner().invoke(app, [*args, "--trace", str(trace), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    assert "t.jsonl" in res["config"]["arrivals"] and "mooncake" in res["config"]["arrivals"].lower()
+    wl = res["workloads"]["2.0"]
+    assert wl["jobs"] == 24 and wl["latency"] + wl["deadline"] + wl["compound"] == 24
+    assert abs(wl["offered_rps"] - 2.0) < 1e-6  # the first 24 rows, rescaled to 2 requests/s
+    assert res["headline"]["2.0"]["best_other_token"] == "fcfs"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 1, "input_length": -3}\n')
+    r = CliRunner().invoke(app, [*args, "--trace", str(bad), "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and ":2" in r.output

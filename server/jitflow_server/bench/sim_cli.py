@@ -132,14 +132,16 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                   ablation: bool, tightness_list: list[float], mixes: list[str], sweep_requests: int,
                   sweep_rps: Optional[float], gmax_params: dict, progress=None,
                   admission: str = "shared", age_boost: bool = False, seeds: int = 1,
-                  scaling: tuple[int, ...] = ()) -> dict:
+                  scaling: tuple[int, ...] = (), trace: Optional[Path] = None) -> dict:
     """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring).
 
     ``seeds`` > 1 repeats the policy × load grid on workloads of seeds ``seed … seed+seeds−1``
     (arrivals, lengths and length-bound noise change): ``main`` then holds the mean of each metric
     (:func:`~jitflow_server.bench.metrics.mean_runs`), ``headline`` the mean ratio with its 95 %
     interval (:func:`aggregate_headlines`) and ``per_seed`` the main metrics of every run. The
-    ablation and the sweeps run on ``seed`` only. ``scaling`` lists workload sizes (requests) simulated at the
+    ablation and the sweeps run on ``seed`` only. ``trace`` replays a Mooncake JSONL or Azure CSV trace
+    (:func:`~jitflow_server.bench.traces.trace_workload`): its first ``n_requests`` rows, arrivals rescaled to
+    each load, kinds drawn with ``mix`` and the seed (``arrivals`` is then unused). ``scaling`` lists workload sizes (requests) simulated at the
     top load under every policy, timing each run (``scaling`` in the results: wall s and µs per request)."""
     from dataclasses import replace
 
@@ -159,7 +161,18 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     analyzers: dict = {}
     t0 = time.time()
 
+    tr = None
+    if trace is not None:
+        from jitflow_server.bench.traces import load_trace
+
+        tr = load_trace(trace)
+
     def wl(n: int, rps: float, mx=mix_w, tight=tightness, s=seed):
+        if tr is not None:
+            from jitflow_server.bench.traces import trace_workload
+
+            return trace_workload(tr, rps=rps, mix=mx, seed=s, tightness=tight, data=data, length_scale=ls,
+                                  max_context=dflt["max_context"], limit=n)
         return make_workload(n, rps, mix=mx, arrivals=arrivals, data=data, seed=s, tightness=tight,
                              length_scale=ls, max_context=dflt["max_context"])
 
@@ -168,7 +181,9 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
             progress.update(progress.task_ids[0], advance=1, description=desc)
 
     res: dict = {"config": {"preset": model.name, "preset_params": model.to_dict(), "policies": policies,
-                            "rps": rps_list, "requests": n_requests, "seed": seed, "arrivals": arrivals, "mix": mix,
+                            "rps": rps_list, "requests": n_requests, "seed": seed,
+                            "arrivals": f"trace {tr.origin} ({tr.format}, {len(tr.arrival_s)} rows)" if tr is not None
+                            else arrivals, "mix": mix,
                             "tightness": tightness, "length_bound": length_bound, "analyzer": analyzer,
                             "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time,
                             "admission": admission, "age_boost": age_boost,
@@ -440,6 +455,10 @@ def register(bench_app: typer.Typer) -> None:
                                       help="Also run gmax-noadmit and fcfs-noadmit (without admission control) "
                                       "to measure GMAX's serving capacity on the same work as FCFS (the throughput "
                                       "target)."),
+        trace: Optional[Path] = typer.Option(None, "--trace", help="Replay this trace: Mooncake JSONL (timestamp ms, "
+                                             "input_length, output_length, hash_ids) or Azure LLM CSV (TIMESTAMP, "
+                                             "ContextTokens, GeneratedTokens); its first --requests rows, arrivals "
+                                             "rescaled to each --rps, kinds drawn with --mix."),
         scaling: str = typer.Option("", "--scaling", help="Comma-separated workload sizes (requests) to time every "
                                     "policy on at the top load, e.g. 1000,10000,50000 ('' = skip)."),
         quick: bool = typer.Option(False, "--quick", help="Small run (< 2 min): 150 requests, 3 loads, short sweeps."),
@@ -498,6 +517,8 @@ def register(bench_app: typer.Typer) -> None:
         data_dir = resolve_data(data)
         gparams = parse_params(param)
         sizes = tuple(int(x) for x in parse_floats(scaling, "--scaling")) if scaling.strip() else ()
+        if trace is not None and not trace.is_file():
+            raise typer.BadParameter(f"{trace} is not a file", param_hint="--trace")
         ticks = count_runs(pols, rps_list, ablation, t_list, mix_list, seeds, sizes)
         cols = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                 TimeElapsedColumn())
@@ -507,7 +528,7 @@ def register(bench_app: typer.Typer) -> None:
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
                                     mix_list, sw_n, sweep_rps, gparams, prog, admission, age_boost, seeds,
-                                    sizes)
+                                    sizes, trace)
         except (WorkloadError, ValueError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
