@@ -195,8 +195,10 @@ class SimEngine:
         c = job.stages[s][j]
         rid = f"{job.job_id}.{s}.{j}"
         kind = _KIND[job.kind]
+        # no max_tokens: the workloads carry no client cap, and the true length (``true_len``, read by
+        # the oracle only) must not reach the other policies through one
         v = RequestView(req_id=rid, kind=kind, arrival=now, input_len=c.input_len, generated=0, len_bound=1,
-                        running=False, true_len=c.output_len, max_tokens=c.output_len)
+                        running=False, true_len=c.output_len, max_tokens=None)
         if job.kind == "latency":
             v.ttft, v.tbt = job.ttft, job.tbt
         elif job.kind == "deadline":
