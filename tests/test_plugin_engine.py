@@ -215,3 +215,28 @@ def test_request_not_admitted_within_waiting_time_is_rejected_and_freed(server_u
         assert max(rejects) < when(ev, "finish", hogs[0].rid), "the long request left the engine early"
         st = wait_idle(server_url)
         assert st["unfinished"] == 0 and st["frontend_unfinished"] == 0
+
+
+@pytest.mark.parametrize("name", ["slos-serve", "qlm", "tempo", "vllm-priority"])
+def test_peer_baselines_schedule_the_real_engine(server_url, policy, name):
+    """Each peer baseline decides inside the real vLLM scheduler: a mixed burst of latency, deadline and
+    best-effort requests is served in full and the plug-in computed frames with that policy."""
+    import concurrent.futures as cf
+
+    st = policy(name, batch_size=4)
+    assert st["policy"] == name
+    frames0 = httpx.get(server_url + "/v1/jitflow/engine", timeout=10).json()["frames"]
+    slos = [{"kind": "latency", "ttft": 30, "tbt": 5}, {"kind": "deadline", "deadline": 120}, None] * 2
+
+    def one(slo):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True}
+        if slo is not None:
+            body["slo"] = slo
+        return httpx.post(server_url + "/v1/chat/completions", json=body, timeout=300)
+
+    with cf.ThreadPoolExecutor(len(slos)) as ex:
+        replies = list(ex.map(one, slos))
+    assert [r.status_code for r in replies] == [200] * len(slos), [r.text for r in replies]
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in replies)
+    st = httpx.get(server_url + "/v1/jitflow/engine", timeout=10).json()
+    assert st["policy"] == name and st["frames"] > frames0
