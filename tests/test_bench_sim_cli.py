@@ -152,3 +152,17 @@ def test_bench_sim_replays_a_trace(tmp_path):
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 1, "input_length": -3}\n')
     r = CliRunner().invoke(app, [*args, "--trace", str(bad), "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and ":2" in r.output
+
+
+def test_auto_length_bound_uses_the_real_predictor_only_where_it_can(tmp_path):
+    from jitflow_server.bench.sim_cli import resolve_length_bound
+
+    assert resolve_length_bound("auto", tmp_path, 1.0, False)[0] == "noisy"  # no alpaca_eval
+    (tmp_path / "alpaca_eval").mkdir()
+    assert resolve_length_bound("auto", tmp_path, 1.0, False)[0] == "predictor"
+    assert resolve_length_bound("auto", tmp_path, 0.0625, False)[0] == "noisy"  # scaled lengths
+    mode, why = resolve_length_bound("auto", tmp_path, 1.0, True)
+    assert mode == "noisy" and "trace" in why
+    assert resolve_length_bound("oracle", None, 1.0, False)[0] == "oracle"
+    r = CliRunner().invoke(app, ["bench", "sim", "--length-bound", "psychic", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "predictor" in r.output

@@ -36,7 +36,7 @@ class _Exact:
 
     refine_every = 50
 
-    def bound(self, true_len: int, generated: int, z: float, cls: tuple) -> int:
+    def bound(self, true_len: int, generated: int, z: float, cls: tuple, rid: str) -> int:
         return true_len
 
 

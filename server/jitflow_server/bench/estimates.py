@@ -12,6 +12,10 @@ Length bounds (``--length-bound``):
 - ``oracle``: the true length (the ``oracle`` policy reads ``true_len`` anyway).
 - ``average``: the ``--analyzer none`` ablation: the mean output length of the call's class
   (kind, app, stage) from the workload; once exceeded, ``g + 50`` (the next refinement point).
+- ``predictor``: the real QRF length predictor on held-out AlpacaEval prompts and responses attached
+  to the single calls, with the server's refinement and online calibration; compound calls get the
+  pattern stage bound or a history quantile (``bench/predictor_bounds.py``, built by ``run_sim_one``,
+  not by :class:`LengthBounder`).
 
 Compound sub-deadlines (``--analyzer``), from the analyzer's ``CompoundAdvisor`` (``analyzer/advisor.py``, the
 object the server uses too):
@@ -37,7 +41,7 @@ from jitflow_server.bench.workload import DataSources, history_tasks
 from jitflow_server.engine.jobs import Job
 
 Z90 = 1.2815515655446004  # Φ⁻¹(0.9)
-LENGTH_MODES = ("noisy", "oracle", "average")
+LENGTH_MODES = ("noisy", "oracle", "average", "predictor")
 ANALYZER_MODES = ("pattern", "oracle", "none")
 
 
@@ -51,8 +55,9 @@ def _zq(q: float) -> float:
 class LengthBounder:
     """Upper bounds on a call's total output length (tokens); see module docstring.
 
-    ``mode`` in :data:`LENGTH_MODES`; ``sigma`` log-std of the noisy bound; ``quantile`` its coverage.
-    Raises ``ValueError`` for an unknown mode or a quantile outside (0, 1).
+    ``mode`` in :data:`LENGTH_MODES` except ``predictor`` (served by
+    :class:`~jitflow_server.bench.predictor_bounds.PredictorBounder`); ``sigma`` log-std of the noisy bound;
+    ``quantile`` its coverage. Raises ``ValueError`` for an unknown mode, ``predictor`` or a quantile outside (0, 1).
     """
 
     mode: str = "noisy"
@@ -63,6 +68,8 @@ class LengthBounder:
     def __post_init__(self) -> None:
         if self.mode not in LENGTH_MODES:
             raise ValueError(f"length-bound mode must be one of {LENGTH_MODES}, got {self.mode!r}")
+        if self.mode == "predictor":
+            raise ValueError("predictor bounds come from bench.predictor_bounds.PredictorBounder (run_sim_one builds it)")
         if not 0.0 < self.quantile < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {self.quantile}")
         self._zq = Z90 if abs(self.quantile - 0.9) < 1e-12 else _zq(self.quantile)
@@ -77,8 +84,8 @@ class LengthBounder:
                     acc.setdefault((j.kind, j.app, s), []).append(c.output_len)
         self.class_mean = {k: float(np.mean(v)) for k, v in acc.items()}
 
-    def bound(self, true_len: int, generated: int, z: float, cls: tuple) -> int:
-        """Bound (tokens, ≥ generated + 1) for a call with ``generated`` tokens so far."""
+    def bound(self, true_len: int, generated: int, z: float, cls: tuple, rid: str | None = None) -> int:
+        """Bound (tokens, ≥ generated + 1) for a call with ``generated`` tokens so far (``rid`` unused)."""
         g = generated - generated % self.refine_every  # refined every refine_every tokens
         if self.mode == "oracle":
             return max(true_len, generated + 1)

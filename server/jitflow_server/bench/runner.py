@@ -37,6 +37,7 @@ over every policy, not only GMAX.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
 from jitflow_server.bench.metrics import summarize
@@ -70,6 +71,8 @@ class RunSettings:
     #: engine's preset. ``bench fidelity --real-from`` sets it to the model the real run's analyzer
     #: used, so both sides give the policy the same inputs.
     analyzer_model: StepModel | None = None
+    #: AlpacaEval directory of ``length_bound="predictor"`` (``None``: ``<shared data>/alpaca_eval``).
+    alpaca_dir: Path | None = None
 
 
 def is_gmax_family(variant: str) -> bool:
@@ -126,6 +129,11 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     ``analyzers`` caches :class:`CompoundAnalyzer` objects per mode across calls (building one loads
     and indexes the history). ``refine_bounds=False`` keeps each call's first length bound (as the
     HTTP replay of the fidelity run, which cannot refine). Raises ``ValueError`` for an unknown variant.
+
+    With ``st.length_bound == "predictor"`` every variant (the oracle and the ablations too) runs ``jobs``
+    with held-out AlpacaEval prompts attached to the single calls, seeded by ``st.seed`` and cached, so all
+    policies see the same attached workload (:func:`~jitflow_server.bench.predictor_bounds.prepare_predictor_run`;
+    its ``FileNotFoundError`` names a missing AlpacaEval path).
     """
     check_variants([variant])
     if st.admission not in ADMISSION_MODES:
@@ -145,15 +153,28 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
                                               prefill_s=tm.per_prefill_token_s, length_scale=st.length_scale)
     an = analyzers[an_mode]
     an.match_ms.clear()
-    bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile,
-                            refine_every=50 if refine_bounds else 10**9)
+    sim_an = an
+    if st.length_bound == "predictor":
+        from jitflow_server.bench.predictor_bounds import prepare_predictor_run
+
+        tm = st.analyzer_model or model
+        prep = prepare_predictor_run(jobs, data, seed=st.seed, decode_s=tm.decode_token_time(B),
+                                     prefill_s=tm.per_prefill_token_s, quantile=st.quantile,
+                                     length_scale=st.length_scale, alpaca=st.alpaca_dir)
+        jobs = prep.jobs
+    if len_mode == "predictor":
+        bounder = prep.bounder(refine_every=50 if refine_bounds else 10**9)
+        sim_an = bounder.wrap_advisor(an)
+    else:
+        bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile,
+                                refine_every=50 if refine_bounds else 10**9)
     if len_mode == "average":
         bounder.fit_averages(jobs)
     pol = build_policy(variant, st)
     admit = not variant.endswith("-noadmit") and (st.admission == "shared"
                                            or (st.admission == "jitserve" and is_gmax_family(variant)))
     wt = st.waiting_time if admit else None
-    eng = SimEngine(model, pol, bounder, an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed))
+    eng = SimEngine(model, pol, bounder, sim_an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed))
     out = eng.run(jobs)
     span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
     res = summarize(out["jobs"], span, out["makespan"] - (jobs[0].arrival if jobs else 0.0), out["frame_ms"])

@@ -3,13 +3,20 @@ SLO-tightness and workload-mix sweeps; writes ``results.json``, ``results.md`` a
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from jitflow_server.bench.sim_report import (
+    ADMISSION_TEXT,
+    aggregate_headlines,
+    fmt,
+    headline,
+    write_sim_report,
+)
 
 DEFAULT_POLICIES = "gmax,fcfs,sarathi,sjf,las,edf,slos-serve,qlm,tempo,vllm-priority,oracle"
 PRESET_DEFAULTS = {
@@ -20,11 +27,6 @@ PRESET_DEFAULTS = {
 }
 SWEEP_POLICIES = ("gmax", "sarathi", "edf", "sjf", "las", "tempo", "slos-serve")
 ABLATION = ("oracle", "gmax", "gmax-noanalyzer", "sjf-analyzer", "sarathi")  # JITServe Fig. 17
-
-
-ADMISSION_TEXT = {"shared": "the same waiting_time admission for every policy",
-                  "jitserve": "waiting_time admission for the GMAX variants only, as in the JITServe paper",
-                  "off": "no admission control"}
 
 
 def parse_floats(text: str, name: str) -> list[float]:
@@ -49,81 +51,20 @@ def resolve_data(data: Optional[Path]) -> Optional[Path]:
     return default_data_dir()
 
 
-def headline(main: dict, rps_key: str, admission: str = "shared") -> dict:
-    """GMAX against every other policy run at one load (the benchmark's targets).
-
-    Keys: ``admission`` (how admission control was applied: ``shared`` = the same for every policy);
-    ``best_other_token`` / ``best_other_request``: the other policy (not a GMAX variant, ablation or
-    truth run) with the highest token / request goodput, and GMAX's ratios to them
-    (``gmax_over_best_other_token``, ``gmax_request_over_best_other``); ``gmax_request_over_best_token_other``
-    (GMAX's request goodput over that of the token winner); the oracle (``oracle_source`` names the
-    run: GMAX with the truth, or the best other policy with the truth, whichever has the higher token
-    goodput) and ``gmax_over_oracle``; throughput over FCFS; capacity over FCFS (``gmax-noadmit``)."""
-    from jitflow_server.bench.runner import TRUTH, is_other_policy
-
-    runs = main[rps_key]
-    out: dict = {"rps": float(rps_key), "admission": admission}
-    others = {p: r for p, r in runs.items() if is_other_policy(p)}
-    g = runs.get("gmax")
-    if g is not None and others:
-        bt = max(others, key=lambda p: others[p]["token_goodput"])
-        br = max(others, key=lambda p: others[p]["request_goodput"])
-        out["best_other_token"], out["best_other_request"] = bt, br
-        out["gmax_over_best_other_token"] = g["token_goodput"] / max(others[bt]["token_goodput"], 1e-9)
-        out["gmax_request_over_best_other"] = g["request_goodput"] / max(others[br]["request_goodput"], 1e-9)
-        out["gmax_request_over_best_token_other"] = g["request_goodput"] / max(others[bt]["request_goodput"], 1e-9)
-    truths = {p: r for p, r in runs.items() if p == "oracle" or p.endswith(TRUTH)}
-    if g is not None and truths:
-        src = max(truths, key=lambda p: truths[p]["token_goodput"])
-        out["oracle_source"] = src
-        out["gmax_over_oracle"] = g["token_goodput"] / max(truths[src]["token_goodput"], 1e-9)
-        out["gmax_request_over_oracle"] = g["request_goodput"] / max(
-            max(r["request_goodput"] for r in truths.values()), 1e-9)
-    if "gmax-age" in runs and others:
-        best = max(others, key=lambda p: others[p]["token_goodput"])
-        out["gmax_age_over_best_other_token"] = runs["gmax-age"]["token_goodput"] / max(others[best]["token_goodput"], 1e-9)
-    if g is not None and "fcfs" in runs:
-        out["gmax_throughput_over_fcfs"] = g["throughput"] / max(runs["fcfs"]["throughput"], 1e-9)
-        gw, fw = g.get("throughput_window"), runs["fcfs"].get("throughput_window")
-        if gw is not None and fw:
-            out["gmax_window_throughput_over_fcfs"] = gw / fw
-        gt, ft = g.get("token_throughput_window"), runs["fcfs"].get("token_throughput_window")
-        if gt is not None and ft:
-            out["gmax_window_token_throughput_over_fcfs"] = gt / ft
-    fcfs_all = runs.get("fcfs-noadmit") or (runs["fcfs"] if "fcfs" in runs and runs["fcfs"].get("waiting_time") is None
-                                            else None)
-    if "gmax-noadmit" in runs and fcfs_all is not None:
-        # same work as FCFS (no request rejected by either): the scheduler's cost in serving capacity
-        out["gmax_capacity_over_fcfs"] = runs["gmax-noadmit"]["throughput"] / max(fcfs_all["throughput"], 1e-9)
-    if fcfs_all is not None and fcfs_all.get("makespan_s"):
-        # FCFS serving every job: jobs per second of makespan is the engine's capacity on this workload
-        out["capacity_rps"] = fcfs_all["jobs"] / fcfs_all["makespan_s"]
-        out["load_over_capacity"] = out["rps"] / out["capacity_rps"]
-    return out
-
-
-def aggregate_headlines(heads: list[dict]) -> dict:
-    """Mean of per-seed :func:`headline` dicts, with ``<key>_ci95`` (95 % t-interval half-width) for
-    every ratio, the best other policies and the oracle's source as the most frequent ones (with
-    ``<name>_per_seed``) and ``seeds`` = len(heads). Ratios are
-    averaged per seed (each seed's ratio is measured side by side on one workload)."""
-    from collections import Counter
-
-    from jitflow_server.bench.metrics import ci95
-
-    out: dict = {"rps": heads[0]["rps"], "seeds": len(heads), "admission": heads[0].get("admission")}
-    names = ("best_other_token", "best_other_request", "oracle_source")
-    for name in names:
-        vals = [h[name] for h in heads if name in h]
-        if vals:  # the most frequent one; the ratios are each seed's own
-            out[name] = Counter(vals).most_common(1)[0][0]
-            out[name + "_per_seed"] = vals
-    keys = [k for k in heads[0] if k not in ("rps", "admission", *names) and all(k in h for h in heads)]
-    for k in keys:
-        vals = [float(h[k]) for h in heads]
-        out[k] = sum(vals) / len(vals)
-        out[f"{k}_ci95"] = ci95(vals)
-    return out
+def resolve_length_bound(mode: str, data_dir: Optional[Path], length_scale: float, trace: bool) -> tuple[str, str]:
+    """``(mode, reason)``: ``auto`` becomes ``predictor`` (the server's QRF on held-out AlpacaEval prompts,
+    ``bench/predictor_bounds.py``) when ``<data>/alpaca_eval`` exists, lengths are unscaled and no trace is
+    replayed (a trace's calls keep their own lengths and have no prompts), else ``noisy``; other modes are
+    returned as given."""
+    if mode != "auto":
+        return mode, "chosen with --length-bound"
+    if trace:
+        return "noisy", "auto: a replayed trace keeps its own lengths and has no prompt text"
+    if data_dir is None or not (data_dir / "alpaca_eval").is_dir():
+        return "noisy", "auto: no alpaca_eval directory in the data for the real predictor"
+    if length_scale != 1.0:
+        return "noisy", f"auto: lengths scaled by {length_scale} (the predictor's held-out responses are real lengths)"
+    return "predictor", "auto: the server's length predictor on held-out AlpacaEval prompts"
 
 
 def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_requests: int, seed: int,
@@ -154,6 +95,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     dflt = PRESET_DEFAULTS.get(model.name, {"length_scale": 1.0, "max_context": None})
     ls = length_scale if length_scale is not None else dflt["length_scale"]
     data = DataSources.load(data_dir)
+    length_bound, bound_why = resolve_length_bound(length_bound, data_dir, ls, trace is not None)
     st = RunSettings(analyzer=analyzer, length_bound=length_bound, batch_size=batch_size,
                      waiting_time=waiting_time if waiting_time > 0 else None, length_scale=ls, seed=seed,
                      gmax_params=gmax_params, admission=admission, age_boost=age_boost)
@@ -184,7 +126,8 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                             "rps": rps_list, "requests": n_requests, "seed": seed,
                             "arrivals": f"trace {tr.origin} ({tr.format}, {len(tr.arrival_s)} rows)" if tr is not None
                             else arrivals, "mix": mix,
-                            "tightness": tightness, "length_bound": length_bound, "analyzer": analyzer,
+                            "tightness": tightness, "length_bound": length_bound,
+                            "length_bound_reason": bound_why, "analyzer": analyzer,
                             "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time,
                             "admission": admission, "age_boost": age_boost,
                             "length_scale": ls, "data": data.origin, "gmax_params": gmax_params},
@@ -280,134 +223,6 @@ def count_runs(policies: list[str], rps_list: list[float], ablation: bool, tight
             + n_sw * (len(tightness_list) + len(mixes)))
 
 
-def _fmt(x, nd: int = 2) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
-
-
-def _fci(d: dict, key: str, nd: int = 2) -> str:
-    """``d[key]`` formatted, with ``± <key>_ci95`` when the run had several seeds."""
-    v, ci = d.get(key), d.get(f"{key}_ci95")
-    if v is None:
-        return "–"
-    return f"{v:.{nd}f} ± {ci:.{nd}f}" if ci is not None else _fmt(v, nd)
-
-
-def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
-    """Write ``results.json``, ``results.md`` and the plots into ``out``; returns the plot paths."""
-    from jitflow_server.bench import plots
-    from jitflow_server.bench.runner import is_gmax_family
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1))
-    cfg = res["config"]
-    figs = [plots.plot_goodput_vs_rps(res, out), plots.plot_oracle(res, out), plots.plot_throughput(res, out)]
-    top = str(max(cfg["rps"]))
-    figs.append(plots.plot_latency(res, out, top))
-    L = [f"# Simulated benchmark ({cfg['preset']})", "", f"Command: `{command}`", "",
-         f"{cfg['requests']} requests per load, mix {cfg['mix']} (latency:deadline:compound), arrivals "
-         f"{cfg['arrivals']}, SLO tightness {cfg['tightness']}, length bounds `{cfg['length_bound']}`, analyzer "
-         f"`{cfg['analyzer']}`, B = {cfg['batch_size']}, waiting_time {cfg['waiting_time']} s "
-         f"(admission `{cfg.get('admission')}`: {ADMISSION_TEXT.get(cfg.get('admission'), '?')}), length scale "
-         f"{cfg['length_scale']}, seed {cfg['seed']}, δ aged from arrival for all GMAX variants: "
-         f"{cfg.get('age_boost', False)}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", ""]
-    n_seeds = cfg.get("seeds", 1)
-    if n_seeds > 1:
-        L += [f"Main grid repeated on {n_seeds} workload seeds ({cfg['seed']} … {cfg['seed'] + n_seeds - 1}): "
-              "values are means, `±` the 95 % t-interval half-width of the mean; ratios are taken per seed "
-              "(side by side on one workload) and then averaged. Ablation and sweeps: seed "
-              f"{cfg['seed']} only.", ""]
-    L += ["## Headline (targets)", "",
-          f"Admission: `{cfg.get('admission')}` ({ADMISSION_TEXT.get(cfg.get('admission'), '?')}). "
-          "GMAX is compared with the best *other* policy at each load, separately for token goodput (SLO-meeting "
-          "tokens/s) and request goodput (SLO-meeting requests/s: a compound task counts once), so a win on one "
-          "that loses the other shows. The oracle is the better of GMAX and the best other policy, each given the "
-          "true output lengths and task graphs. `capacity / FCFS`: `gmax-noadmit` (GMAX without admission "
-          "control) serves the same requests as FCFS, so the ratio of makespan throughputs is what GMAX's "
-          "ordering and preemptions cost in serving capacity.", "",
-          "| RPS (× capacity) | GMAX / best other (token) | best other (token) | GMAX / best other (request) | "
-          "best other (request) | GMAX / oracle (token) | oracle run | GMAX throughput / FCFS | "
-          "GMAX capacity / FCFS (same work) |",
-          "|---:|---:|---|---:|---|---:|---|---:|---:|"]
-    for k, h in res["headline"].items():
-        xc = f" ({h['load_over_capacity']:.1f}×)" if h.get("load_over_capacity") else ""
-        L.append(f"| {k}{xc} | {_fci(h, 'gmax_over_best_other_token')} | {h.get('best_other_token', '–')} | "
-                 f"{_fci(h, 'gmax_request_over_best_other')} | {h.get('best_other_request', '–')} | "
-                 f"{_fci(h, 'gmax_over_oracle')} | {h.get('oracle_source', '–')} | "
-                 f"{_fci(h, 'gmax_throughput_over_fcfs')} | {_fci(h, 'gmax_capacity_over_fcfs')} |")
-    L += ["", "## Goodput, throughput and SLO attainment per policy and load", "",
-          "| RPS | policy | token goodput (tok/s) | request goodput (req/s) | SLO att. | att. latency | att. deadline | "
-          "att. compound | throughput (tok/s) | steady-state thr. (tok/s) | steady-state prompt+output (tok/s) | "
-          "rejected | preempt. | frame P50/P99 ms |",
-          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for k, runs in res["main"].items():
-        for p, r in runs.items():
-            pk = r["per_kind"]
-            L.append(f"| {k} | {p} | {_fci(r, 'token_goodput', 0)} | {_fci(r, 'request_goodput', 3)} | "
-                     f"{r['slo_attainment']:.2f} | "
-                     f"{_fmt(pk.get('latency', {}).get('slo_attainment'))} | "
-                     f"{_fmt(pk.get('deadline', {}).get('slo_attainment'))} | "
-                     f"{_fmt(pk.get('compound', {}).get('slo_attainment'))} | {r['throughput']:.0f} | "
-                     f"{_fmt(r.get('throughput_window'), 0)} | {_fmt(r.get('token_throughput_window'), 0)} | "
-                     f"{r['rejected']:.0f} | {r['sim_preemptions']:.0f} | {_fmt(r.get('frame_ms_p50'))}/{_fmt(r.get('frame_ms_p99'))} |")
-    L += ["", f"## Latency per kind at {top} requests/s (P50 / P95, seconds, served requests)", "",
-          "| policy | TTFT lat. | TBT lat. | E2EL deadline | TTFT deadline | E2EL compound |", "|---|---|---|---|---|---|"]
-    for p, r in res["main"][top].items():
-        pk = r["per_kind"]
-
-        def pp(kind: str, m: str, pk=pk) -> str:
-            d = pk.get(kind, {})
-            return f"{_fmt(d.get(m + '_p50'))} / {_fmt(d.get(m + '_p95'))}"
-
-        L.append(f"| {p} | {pp('latency', 'ttft')} | {pp('latency', 'tbt')} | {pp('deadline', 'e2el')} | "
-                 f"{pp('deadline', 'ttft')} | {pp('compound', 'e2el')} |")
-    if "ablation" in res:
-        ab = res["ablation"]
-        rows = {k: v["token_goodput"] for k, v in ab["runs"].items()}
-        figs.append(plots.plot_bars(rows, out, "ablation.png", f"Ablation at {ab['rps']} requests/s (Fig. 17)",
-                                    "token goodput (tokens/s)"))
-        L += ["", f"## Ablation at {ab['rps']} requests/s (Fig. 17)", "",
-              "`gmax-noanalyzer`: GMAX with average-based lengths and equal-share sub-deadlines; "
-              "`sjf-analyzer`: SJF on the analyzer's estimates (\"w/o GMAX\").", "",
-              "| variant | token goodput | request goodput | SLO att. |", "|---|---:|---:|---:|"]
-        for k, v in ab["runs"].items():
-            L.append(f"| {k} | {v['token_goodput']:.0f} | {v['request_goodput']:.3f} | {v['slo_attainment']:.2f} |")
-    for key, fname, title, xl, cat in (("tightness", "tightness.png", "SLO tightness sweep (Figs. 19/21)",
-                                        "SLO scale factor (1 = paper SLOs)", False),
-                                       ("mix", "mix.png", "Workload mix sweep (Fig. 20)",
-                                        "mix latency:deadline:compound", True)):
-        if key not in res:
-            continue
-        sw = res[key]
-        figs.append(plots.plot_sweep(sw["runs"], out, fname, f"{title}, {sw['rps']} req/s, {sw['requests']} requests",
-                                     xl, categorical=cat))
-        pols = list(next(iter(sw["runs"].values())))
-        L += ["", f"## {title} at {sw['rps']} requests/s ({sw['requests']} requests): token goodput (tok/s)", "",
-              "| " + key + " | " + " | ".join(pols) + " | GMAX variants / best baseline |",
-              "|---|" + "---:|" * (len(pols) + 1)]
-        for x, runs in sw["runs"].items():
-            vals = [runs[p]["token_goodput"] for p in pols]
-            others = [runs[p]["token_goodput"] for p in pols if not is_gmax_family(p)]
-            ratios = [f"{q}: {runs[q]['token_goodput'] / max(max(others), 1e-9):.2f}" for q in pols
-                      if is_gmax_family(q)] if others else []
-            L.append(f"| {x} | " + " | ".join(f"{v:.0f}" for v in vals) + f" | {', '.join(ratios) or '–'} |")
-    if "scaling" in res:
-        sc = res["scaling"]
-        pols = list(next(iter(sc["runs"].values())))
-        L += ["", f"## Simulator cost at {sc['rps']} requests/s: wall seconds (µs per request)", "",
-              "Cost per request that stays flat as the workload grows means the cost is linear in its size.", "",
-              "| requests | " + " | ".join(pols) + " |", "|---:|" + "---:|" * len(pols)]
-        for n, runs in sc["runs"].items():
-            L.append(f"| {n} | " + " | ".join(f"{runs[p]['wall_s']:.1f} ({runs[p]['us_per_request']:.0f})"
-                                              for p in pols) + " |")
-    L += ["", "Plots: " + ", ".join(f"`{p.name}`" for p in figs if p is not None), ""]
-    (out / "results.md").write_text("\n".join(L))
-    return [p for p in figs if p is not None]
-
-
 def register(bench_app: typer.Typer) -> None:
     """Attach ``sim`` to ``jitflow bench``."""
 
@@ -427,7 +242,12 @@ def register(bench_app: typer.Typer) -> None:
         arrivals: str = typer.Option("poisson", "--arrivals", help="poisson | azure (trace timestamps rescaled)."),
         mix: str = typer.Option("1:1:1", "--mix", help="latency:deadline:compound weights."),
         tightness: float = typer.Option(1.0, "--tightness", min=0.01, help="Global SLO scale factor."),
-        length_bound: str = typer.Option("noisy", "--length-bound", help="noisy | oracle | average."),
+        length_bound: str = typer.Option("auto", "--length-bound", help="auto | predictor | noisy | oracle | average. "
+                                         "predictor: the server's QRF length predictor on held-out AlpacaEval "
+                                         "prompts attached to the single calls (their output lengths become the "
+                                         "held-out responses'), pattern bounds for compound calls; auto: predictor "
+                                         "when the data has alpaca_eval, lengths are unscaled and no --trace is "
+                                         "given, else noisy (a q = 0.9 noise model of the true length)."),
         analyzer: str = typer.Option("pattern", "--analyzer", help="pattern | none (average-based fallback)."),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="B (default: the preset's)."),
         waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
@@ -483,8 +303,8 @@ def register(bench_app: typer.Typer) -> None:
             check_variants(pols)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--policies") from None
-        if length_bound not in LENGTH_MODES:
-            raise typer.BadParameter(f"choose one of {LENGTH_MODES}", param_hint="--length-bound")
+        if length_bound not in (*LENGTH_MODES, "auto"):
+            raise typer.BadParameter(f"choose one of auto, {', '.join(LENGTH_MODES)}", param_hint="--length-bound")
         if analyzer not in ("pattern", "none"):
             raise typer.BadParameter(f"choose one of {ANALYZER_MODES[::2]}", param_hint="--analyzer")
         if admission not in ADMISSION_TEXT:
@@ -538,11 +358,11 @@ def register(bench_app: typer.Typer) -> None:
         top = str(max(rps_list))
         h = res["headline"][top]
         con.print(f"[bold]{model.name}[/bold] at {top} req/s, admission {admission}: GMAX / best other: token "
-                  f"{_fmt(h.get('gmax_over_best_other_token'))}× ({h.get('best_other_token')}), request "
-                  f"{_fmt(h.get('gmax_request_over_best_other'))}× ({h.get('best_other_request')}); "
-                  f"GMAX/oracle {_fmt(h.get('gmax_over_oracle'))}, "
-                  f"capacity vs FCFS (same work) {_fmt(h.get('gmax_capacity_over_fcfs'))}, "
-                  f"throughput vs FCFS {_fmt(h.get('gmax_throughput_over_fcfs'))} (steady state "
-                  f"{_fmt(h.get('gmax_window_throughput_over_fcfs'))}, prompt+output "
-                  f"{_fmt(h.get('gmax_window_token_throughput_over_fcfs'))}); wall {res['wall_s']:.0f} s")
+                  f"{fmt(h.get('gmax_over_best_other_token'))}× ({h.get('best_other_token')}), request "
+                  f"{fmt(h.get('gmax_request_over_best_other'))}× ({h.get('best_other_request')}); "
+                  f"GMAX/oracle {fmt(h.get('gmax_over_oracle'))}, "
+                  f"capacity vs FCFS (same work) {fmt(h.get('gmax_capacity_over_fcfs'))}, "
+                  f"throughput vs FCFS {fmt(h.get('gmax_throughput_over_fcfs'))} (steady state "
+                  f"{fmt(h.get('gmax_window_throughput_over_fcfs'))}, prompt+output "
+                  f"{fmt(h.get('gmax_window_token_throughput_over_fcfs'))}); wall {res['wall_s']:.0f} s")
         con.print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots")

@@ -114,8 +114,7 @@ class JitflowScheduler(Scheduler):
         #: requests scheduled again after a preemption; tokens they had to restore and how many of
         #: those the prefix cache still held (the rest was recomputed)
         self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}
-        self.n_rejected = 0
-        self.n_policy_refusals = 0
+        self.n_rejected = self.n_policy_refusals = 0
         self.n_bad_hints = 0
         self.n_illegal_transitions = 0
         self._dirty = True
@@ -287,10 +286,7 @@ class JitflowScheduler(Scheduler):
         self.frame_no += 1
         self._plan_batch = list(decision.batch)
         self._plan_preempt = list(decision.preempt)
-        # A policy's own admission refusals (Decision.reject) are not ended here: vLLM's scheduler has
-        # no path that finishes a waiting request *and* tells the front end, so a refused request
-        # just stays out of the batch (served best-effort if capacity frees up) until the front end's
-        # waiting_time admission rejects it with a 429 (the simulator ends it at once).
+        # Decision.reject: stays out of the batch until the front end's waiting_time admission answers 429
         self.n_policy_refusals += len(decision.reject)
         self._last_plan = (now, views, decision)
 
@@ -485,8 +481,7 @@ class JitflowScheduler(Scheduler):
             "paused": self.pause_state != PauseState.UNPAUSED,
             "unfinished": self.get_num_unfinished_requests(), "steps": self.step_no, "frames": self.frame_no,
             "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
-            "block_size": int(self.block_size),
-            "kv_capacity_tokens": self._kv_capacity_tokens(),
+            "block_size": int(self.block_size), "kv_capacity_tokens": self._kv_capacity_tokens(),
             "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
             "resumed": dict(self.resumed),
             "rejected": self.n_rejected, "policy_refusals": self.n_policy_refusals, "bad_hints": self.n_bad_hints,

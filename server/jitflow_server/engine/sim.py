@@ -21,7 +21,7 @@ It mirrors what the vLLM plug-in (``engine/plugin.py``) does, in virtual time:
   less what vLLM's automatic prefix caching still holds (``StepModel.prefix_caching``, default on):
   its freed blocks go to the tail of a FIFO free queue and are reused by later allocations, so a
   call re-admitted before the queue turns over gets its full blocks back (the miss that made the
-  simulator thrash under LAS and overstate recompute costs: docs/benchmarks.md);
+  simulator thrash under LAS and overstate recompute costs: docs/benchmarks-history.md);
   preemptions are counted by reason (``policy``, ``slots``, ``kv``, ``blocked``);
 - cross-request prefix caching (only for calls whose :class:`~jitflow_server.engine.jobs.CallSpec` has
   ``prefix_ids``, e.g. a replayed Mooncake trace's ``hash_ids``; only with ``StepModel.prefix_caching``):
@@ -67,11 +67,12 @@ _KIND = {"latency": Kind.LATENCY, "deadline": Kind.DEADLINE, "compound": Kind.CO
 class LengthBounds(Protocol):
     """The simulator's length bounds (tokens): it knows each call's true length, and the source decides how
     much of it the policy sees. ``cls`` is ``(kind, app, stage)``; ``z`` the call's persistent noise
-    draw; bounds are refreshed every ``refine_every`` generated tokens."""
+    draw; ``rid`` the call's id (``"<job_id>.<stage>.<index>"``, for sources that keep per-call state, e.g.
+    the attached prompt of the real predictor); bounds are refreshed every ``refine_every`` generated tokens."""
 
     refine_every: int
 
-    def bound(self, true_len: int, generated: int, z: float, cls: tuple) -> int: ...
+    def bound(self, true_len: int, generated: int, z: float, cls: tuple, rid: str) -> int: ...
 
 
 class StageAdvisor(Protocol):
@@ -208,7 +209,7 @@ class SimEngine:
             v.task_id, v.stage_index = job.job_id, s
         call = _Call(rid, js, s, c.input_len, c.output_len, now, v, float(self.rng.standard_normal()),
                      (job.kind, job.app, s), self.cfg.waiting_time, life=Lifecycle(now))
-        v.len_bound = self.bounder.bound(c.output_len, 0, call.z, call.cls)
+        v.len_bound = self.bounder.bound(c.output_len, 0, call.z, call.cls, rid)
         if c.prefix_ids:
             call.prefix_keys = prefix_keys(c.prefix_ids)
         return call

@@ -237,7 +237,7 @@ class SimRun:
             v.admit_by = c.life.admit_by(c.waiting_time)
             g50 = c.generated // eng.bounder.refine_every
             if g50 != c.bound_at or v.len_bound <= c.generated:
-                v.len_bound = eng.bounder.bound(c.true_len, c.generated, c.z, c.cls)
+                v.len_bound = eng.bounder.bound(c.true_len, c.generated, c.z, c.cls, c.rid)
                 c.bound_at = g50
             v.attained_service = float(c.js.attained if c.js.job.kind == "compound" else c.generated)
             views.append(v)
