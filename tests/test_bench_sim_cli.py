@@ -166,3 +166,19 @@ def test_auto_length_bound_uses_the_real_predictor_only_where_it_can(tmp_path):
     assert resolve_length_bound("oracle", None, 1.0, False)[0] == "oracle"
     r = CliRunner().invoke(app, ["bench", "sim", "--length-bound", "psychic", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "predictor" in r.output
+
+
+def test_bench_sim_uses_the_predictor_from_the_data_directory(tmp_path):
+    from jitflow_server.bench.workload import default_data_dir
+
+    data = default_data_dir()
+    if data is None or not (data / "alpaca_eval").is_dir():
+        pytest.skip("needs ../shared/data/alpaca_eval")
+    out = tmp_path / "sim"
+    r = CliRunner().invoke(app, [
+        "bench", "sim", "--preset", "a100-llama8b", "--policies", "gmax,fcfs", "--rps", "2", "--requests", "40",
+        "--no-ablation", "--tightness-sweep", "", "--mix-sweep", "", "--no-capacity", "--data", str(data),
+        "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "results.json").read_text())["config"]
+    assert cfg["length_bound"] == "predictor" and "AlpacaEval" in cfg["length_bound_reason"]

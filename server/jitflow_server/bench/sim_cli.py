@@ -98,7 +98,8 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     length_bound, bound_why = resolve_length_bound(length_bound, data_dir, ls, trace is not None)
     st = RunSettings(analyzer=analyzer, length_bound=length_bound, batch_size=batch_size,
                      waiting_time=waiting_time if waiting_time > 0 else None, length_scale=ls, seed=seed,
-                     gmax_params=gmax_params, admission=admission, age_boost=age_boost)
+                     gmax_params=gmax_params, admission=admission, age_boost=age_boost,
+                     alpaca_dir=data_dir / "alpaca_eval" if data_dir is not None else None)
     mix_w = parse_mix(mix)
     analyzers: dict = {}
     t0 = time.time()
@@ -349,7 +350,7 @@ def register(bench_app: typer.Typer) -> None:
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
                                     mix_list, sw_n, sweep_rps, gparams, prog, admission, age_boost, seeds,
                                     sizes, trace)
-        except (WorkloadError, ValueError) as e:
+        except (WorkloadError, ValueError, FileNotFoundError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
             f"jitflow bench sim --preset {preset} --out {out}")
