@@ -37,7 +37,7 @@ class GMAXParams:
       paused; True prices that pause at zero stall (only the margin guards the swap), False prices it
       like a recompute (``kv_tokens / prefill_rate``): with JIT ranking a paused request comes back
       when its laxity shrinks and paused requests beyond ``SchedContext.max_running`` are preempted
-      anyway, so free pauses churn (measured, docs/benchmarks.md "JIT ranking": False gives 5–45 %
+      anyway, so free pauses churn (measured, docs/benchmarks-history.md "How the JIT ranking was chosen": False gives 5–45 %
       more goodput). The weakest displaced requests that do not fit ``max_running`` are always priced
       as a recompute and preempted by the policy itself.
     - ``fairness`` [0.0]: f of ``(1−f)·priority + f·Fair(r)`` (§4.3); 0 disables the blend.
@@ -73,7 +73,7 @@ class GMAXParams:
       its goodput) once its admission deadline ``admit_by`` (JITServe §5: rejected if not scheduled
       within ``waiting_time``) is closer than this; inf = always. Admission is the one irreversible
       step: once admitted a request can be paused at the cost of its KV, never rejected, so JIT admits
-      early and paces the decode just in time. Measured (docs/benchmarks.md "JIT ranking"): with
+      early and paces the decode just in time. Measured (docs/benchmarks-history.md "How the JIT ranking was chosen"): with
       admission control on for every policy, inf turned 0.73 compound attainment into 0.99 (cpu-demo
       preset, 6 req/s) where a horizon of one frame left tasks to be rejected.
     - ``window`` ["protected"]: batch composition. ``"paper"`` is Alg. 1 as published: the contiguous
@@ -110,7 +110,7 @@ class GMAXParams:
       same admission for every policy, GMAX then met the SLO of only 42-73 % as many requests as
       SJF or LAS. The paper notes that GMAX runs over any goodput definition, request-level included
       (§3, §6.2); this weight blends the two, so neither count is given up for the other. 0 = the
-      paper's token objective. Chosen on a tuning workload (docs/benchmarks.md).
+      paper's token objective. Chosen on tuning seeds (docs/scheduling.md "Counting requests as well as tokens").
     - ``future_margin`` [2.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
       the task's later stages need). The current stage is sized with the length *upper bound* and the
       engine's *measured* decode speed, the later stages with the matched graph's typical lengths
@@ -126,10 +126,10 @@ class GMAXParams:
       "stage": the tokens of the stage's own calls. With "task" every stage of a task is priced at the
       whole task over its remaining time, which overstates a task whenever its later stages are
       underestimated (see ``future_margin``) and starts tasks that are later abandoned; measured in
-      docs/benchmarks.md.
+      docs/scheduling.md "Counting requests as well as tokens".
     - ``task_commitment`` [1.0]: priority multiplier (≥ 1) for feasible stage groups of tasks past
       their first stage (work already invested that is lost if a later stage is not admitted).
-      1 = off; measured in docs/benchmarks.md.
+      1 = off; measured in docs/scheduling.md "Counting requests as well as tokens".
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
