@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jitflow_server.scheduler.frames import FramedPolicy
 from jitflow_server.scheduler.snapshot import (
     BEST_EFFORT,
     COMPOUND,
@@ -32,12 +33,11 @@ from jitflow_server.scheduler.snapshot import (
     LATENCY,
     Snapshot,
     SnapshotCache,
-    validate_context,
 )
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
 
 
-class OrderPolicy:
+class OrderPolicy(FramedPolicy):
     """Base of the key-ordered baselines. Subclasses implement :meth:`keys`.
 
     ``preemptive=False`` keeps running requests ahead of all waiting ones (vLLM FCFS).
@@ -64,27 +64,10 @@ class OrderPolicy:
         """Sort key per request (smaller = first). Array of N floats."""
         raise NotImplementedError
 
-    def needs_recompute(self, step: int, arrivals_or_finishes: bool) -> bool:
-        """True on arrivals/finishes or every ``delta_steps`` decode steps (default: every step)."""
-        if arrivals_or_finishes or self._last_step is None or step - self._last_step >= self.delta_steps:
-            self._last_step = step
-            return True
-        return False
-
-    def on_finished(self, req_id: str, goodput: float, now: float) -> None:
-        """Baselines ignore goodput feedback."""
-
-    def invalidate(self, req_id: str) -> None:
-        """Re-read ``req_id``'s static fields (kind, arrival, input_len, ttft, tbt, deadline, true_len,
-        task/stage) at the next frame; call it when the engine changes one of them mid-request."""
-        self._cache.invalidate(req_id)
-
     def schedule(self, views: Sequence[RequestView], ctx: SchedContext) -> Decision:
         """Rank by :meth:`keys`, run the first ``ctx.batch_size``; see the module docstring."""
-        validate_context(ctx)
-        self.frame_id += 1
-        snap = self._cache.build(views)
-        if snap.n == 0:
+        snap = self.begin_frame(views, ctx)
+        if snap is None:
             return Decision([], [], {}, self.frame_id)
         key = np.asarray(self.keys(snap, ctx), float)
         primary = key if self.preemptive else np.where(snap.running, -np.inf, key)
@@ -94,14 +77,8 @@ class OrderPolicy:
         in_batch[chosen] = True
         displaced = np.flatnonzero(snap.running & ~in_batch)
         preempt: list[str] = []
-        if self.preemptive and displaced.size:
-            fits = False
-            if ctx.kv_capacity_tokens is not None:
-                held = float(snap.kv_tokens[snap.running].sum())
-                new = float(np.maximum(snap.input_len + snap.generated - snap.kv_tokens, 0.0)[in_batch].sum())
-                fits = held + new <= ctx.kv_capacity_tokens
-            if not fits:
-                preempt = [snap.ids[i] for i in displaced]
+        if self.preemptive and displaced.size and not self.kv_fits(snap, in_batch, ctx):
+            preempt = [snap.ids[i] for i in displaced]
         ids = snap.ids
         shown = np.arange(snap.n) if self.full_priorities else np.union1d(order[: 2 * ctx.batch_size],
                                                                            np.flatnonzero(snap.running))

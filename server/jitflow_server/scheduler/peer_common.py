@@ -1,9 +1,9 @@
-"""Shared plumbing of the peer baselines ``vllm-priority``, ``tempo`` and ``qlm`` (no vLLM import).
+"""Shared plumbing of the peer baselines ``vllm-priority``, ``tempo``, ``qlm`` and ``slos-serve`` (no vLLM import).
 
-:class:`PeerPolicy` holds what the three have in common with the key-ordered baselines of
-``baselines.py``: the frame clock (recompute on arrivals/finishes or every ``delta_steps`` decode
-steps), the per-request-id cache of static fields (:class:`SnapshotCache`), the validated common
-parameters and the SLO columns with their defaults. Times are seconds, lengths tokens.
+:class:`PeerPolicy` adds to the frame clock and snapshot cache of
+:class:`~jitflow_server.scheduler.frames.FramedPolicy` (shared with ``baselines.py``) the validated
+common parameters, the SLO columns with their defaults and the priorities of a plan order; the
+``check_*`` helpers validate parameters. Times are seconds, lengths tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from numbers import Real
 
 import numpy as np
 
+from jitflow_server.scheduler.frames import FramedPolicy
 from jitflow_server.scheduler.snapshot import (
     BEST_EFFORT,
     COMPOUND,
@@ -41,6 +42,13 @@ def check_int(name: str, value: int, low: int) -> int:
     return int(value)
 
 
+def check_bool(name: str, value: bool) -> bool:
+    """``bool(value)`` if it is a bool (numpy's too), else ``ValueError`` naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def check_fraction(name: str, value: float, low_open: bool = False, high_open: bool = False) -> float:
     """``float(value)`` if it lies in [0, 1] (ends excluded when ``*_open``), else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
@@ -51,7 +59,7 @@ def check_fraction(name: str, value: float, low_open: bool = False, high_open: b
     return float(value)
 
 
-class PeerPolicy:
+class PeerPolicy(FramedPolicy):
     """Base of the peer baselines.
 
     ``best_effort_deadline`` (s after arrival, > 0): the completion deadline given to best-effort
@@ -76,21 +84,6 @@ class PeerPolicy:
         self._last_step: int | None = None
         self._cache = SnapshotCache(need_attained=False, need_admit_by=self.need_admit_by)
 
-    # ------------------------------------------------------------------ Policy protocol
-    def needs_recompute(self, step: int, arrivals_or_finishes: bool) -> bool:
-        """True on arrivals/finishes or every ``delta_steps`` decode steps."""
-        if arrivals_or_finishes or self._last_step is None or step - self._last_step >= self.delta_steps:
-            self._last_step = step
-            return True
-        return False
-
-    def on_finished(self, req_id: str, goodput: float, now: float) -> None:
-        """Goodput feedback is not used (subclasses may record lengths)."""
-
-    def invalidate(self, req_id: str) -> None:
-        """Re-read ``req_id``'s static fields at the next frame (after a kind/SLO change)."""
-        self._cache.invalidate(req_id)
-
     # ------------------------------------------------------------------ helpers
     def slo_columns(self, snap: Snapshot) -> tuple[np.ndarray, np.ndarray]:
         """``(ttft, tbt)`` (s) with the defaults where a view has none."""
@@ -111,21 +104,19 @@ class PeerPolicy:
                         [snap.arrival + ttft, snap.deadline, comp, default], default)
         return np.where(np.isnan(due), default, due)
 
+    def rank_priorities(self, order: np.ndarray, snap: Snapshot, ctx: SchedContext) -> dict[str, float]:
+        """``Decision.priorities`` of a plan ``order`` (indices, first = most urgent): minus each shown
+        request's position in it, so larger is more urgent."""
+        shown = np.intersect1d(self.shown(order, snap, ctx), order)
+        pos = np.empty(snap.n)
+        pos[order] = np.arange(order.size)
+        return dict(zip([snap.ids[i] for i in shown], (-pos[shown]).tolist(), strict=True))
+
     def shown(self, order: np.ndarray, snap: Snapshot, ctx: SchedContext) -> np.ndarray:
         """Indices whose priority goes into ``Decision.priorities``."""
         if self.full_priorities:
             return np.arange(snap.n)
         return np.union1d(order[: 2 * ctx.batch_size], np.flatnonzero(snap.running))
-
-    @staticmethod
-    def kv_fits(snap: Snapshot, in_batch: np.ndarray, ctx: SchedContext) -> bool:
-        """True when the KV of every running request plus the batch's new tokens fit ``kv_capacity_tokens``
-        (then displaced running requests are only paused, as the baselines of ``baselines.py`` do)."""
-        if ctx.kv_capacity_tokens is None:
-            return False
-        held = float(snap.kv_tokens[snap.running].sum())
-        new = float(np.maximum(snap.input_len + snap.generated - snap.kv_tokens, 0.0)[in_batch].sum())
-        return held + new <= ctx.kv_capacity_tokens
 
 
 def frame_order(n: int, *keys: np.ndarray) -> np.ndarray:

@@ -62,12 +62,13 @@ import numpy as np
 from jitflow_server.scheduler.peer_common import (
     COMMON_PARAMS,
     PeerPolicy,
+    check_bool,
     check_fraction,
     check_int,
     check_positive,
     frame_order,
 )
-from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY, Snapshot, validate_context
+from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY, Snapshot
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
 
 ON_INFEASIBLE = ("edf", "drop")
@@ -114,9 +115,7 @@ class QLMPolicy(PeerPolicy):
         if on_infeasible not in ON_INFEASIBLE:
             raise ValueError(f"on_infeasible must be one of {ON_INFEASIBLE}, got {on_infeasible!r}")
         self.on_infeasible = on_infeasible
-        if not isinstance(waiting_slo, (bool, np.bool_)):
-            raise ValueError(f"waiting_slo must be True or False, got {waiting_slo!r}")
-        self.waiting_slo = bool(waiting_slo)
+        self.waiting_slo = check_bool("waiting_slo", waiting_slo)
         self.z = NormalDist().inv_cdf(self.attainment)
         self._member: dict[str, int] = {}  # req_id -> group id
         self._classes: dict[tuple[int, int, int], int] = {}
@@ -193,12 +192,10 @@ class QLMPolicy(PeerPolicy):
     def schedule(self, views: Sequence[RequestView], ctx: SchedContext) -> Decision:
         """Virtual-queue order of the groups (kept, or re-planned on a predicted SLO violation), FCFS
         inside a group; the first B run, displaced running requests are evicted; see the module docstring."""
-        validate_context(ctx)
-        self.frame_id += 1
-        snap = self._cache.build(views)
-        n, B = snap.n, ctx.batch_size
-        if n == 0:
+        snap = self.begin_frame(views, ctx)
+        if snap is None:
             return Decision([], [], {}, self.frame_id)
+        n, B = snap.n, ctx.batch_size
         rows = snap.rows
         if rows.max() >= self._row_gen.size:
             self._row_gen = np.concatenate([self._row_gen, np.zeros(int(rows.max()) + 1)])
@@ -251,10 +248,7 @@ class QLMPolicy(PeerPolicy):
         displaced = np.flatnonzero(snap.running & ~in_batch)
         preempt = [] if not displaced.size or self.kv_fits(snap, in_batch, ctx) else displaced.tolist()
         ids = snap.ids
-        shown = np.intersect1d(self.shown(order, snap, ctx), order)
-        pos = np.empty(n)
-        pos[order] = np.arange(order.size)
-        pr = dict(zip([ids[i] for i in shown], (-pos[shown]).tolist(), strict=True))
+        pr = self.rank_priorities(order, snap, ctx)
         rej = np.flatnonzero(reject)
         self.rejected += rej.size
         return Decision([ids[i] for i in order[:B].tolist()], [ids[i] for i in preempt], pr, self.frame_id,

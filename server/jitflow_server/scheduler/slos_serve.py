@@ -91,11 +91,12 @@ import numpy as np
 from jitflow_server.scheduler.peer_common import (
     COMMON_PARAMS,
     PeerPolicy,
+    check_bool,
     check_fraction,
     check_int,
     frame_order,
 )
-from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY, validate_context
+from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
 
 ON_DECLINE = ("best_effort", "reject")
@@ -133,18 +134,14 @@ class SLOsServePolicy(PeerPolicy):
                  on_decline: str = "best_effort", kv_admission: bool = True, waiting_slo: bool = True,
                  **kw) -> None:
         super().__init__(**kw)
-        if not isinstance(waiting_slo, (bool, np.bool_)):
-            raise ValueError(f"waiting_slo must be True or False, got {waiting_slo!r}")
-        self.waiting_slo = bool(waiting_slo)
+        self.waiting_slo = check_bool("waiting_slo", waiting_slo)
         self.max_candidates = check_int("max_candidates", max_candidates, 1)
         self.load_levels = check_int("load_levels", load_levels, 1)
         self.prefill_slack_share = check_fraction("prefill_slack_share", prefill_slack_share)
         if on_decline not in ON_DECLINE:
             raise ValueError(f"on_decline must be one of {ON_DECLINE}, got {on_decline!r}")
         self.on_decline = on_decline
-        if not isinstance(kv_admission, (bool, np.bool_)):
-            raise ValueError(f"kv_admission must be True or False, got {kv_admission!r}")
-        self.kv_admission = bool(kv_admission)
+        self.kv_admission = check_bool("kv_admission", kv_admission)
         self._tier: dict[str, int] = {}
         self.admitted = self.declined = self.rejected = 0
 
@@ -160,12 +157,10 @@ class SLOsServePolicy(PeerPolicy):
 
     def schedule(self, views: Sequence[RequestView], ctx: SchedContext) -> Decision:
         """Admission DP, soft admission control and the frame's batch; see the module docstring."""
-        validate_context(ctx)
-        self.frame_id += 1
-        snap = self._cache.build(views)
-        n, B = snap.n, ctx.batch_size
-        if n == 0:
+        snap = self.begin_frame(views, ctx)
+        if snap is None:
             return Decision([], [], {}, self.frame_id)
+        n, B = snap.n, ctx.batch_size
         ids, now, d, rate = snap.ids, ctx.now, ctx.token_time, ctx.prefill_rate
         tier = np.fromiter(map(self._tier.get, ids, repeat(_UNDECIDED)), np.int8, n)
         kind = snap.kind
@@ -249,10 +244,7 @@ class SLOsServePolicy(PeerPolicy):
         preempt = [] if not displaced.size or self.kv_fits(snap, in_batch, ctx) else displaced.tolist()
         if len(self._tier) > 2 * n + 1024:  # forget departed ids the engine never reported
             self._tier = {i: t for i, t in zip(ids, tier.tolist(), strict=True) if t != _UNDECIDED}
-        shown = np.intersect1d(self.shown(order, snap, ctx), order)
-        pos = np.empty(n)
-        pos[order] = np.arange(order.size)
-        pr = dict(zip([ids[i] for i in shown], (-pos[shown]).tolist(), strict=True))
+        pr = self.rank_priorities(order, snap, ctx)
         rej = np.flatnonzero(reject)
         self.rejected += rej.size
         info = {"n": n, "admitted": int((tier == _ADMITTED).sum()), "dp_items": int(forced.size + und.size),

@@ -66,7 +66,7 @@ from jitflow_server.scheduler.peer_common import (
     check_positive,
     frame_order,
 )
-from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY, Snapshot, validate_context
+from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY, Snapshot
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
 
 
@@ -141,12 +141,10 @@ class TempoPolicy(PeerPolicy):
 
     def schedule(self, views: Sequence[RequestView], ctx: SchedContext) -> Decision:
         """LSDF with deferral, best-effort reserve and cost-aware preemption (module docstring)."""
-        validate_context(ctx)
-        self.frame_id += 1
-        snap = self._cache.build(views)
-        n, B = snap.n, ctx.batch_size
-        if n == 0:
+        snap = self.begin_frame(views, ctx)
+        if snap is None:
             return Decision([], [], {}, self.frame_id)
+        n, B = snap.n, ctx.batch_size
         est = self.estimates(snap, ctx)
         rho = est["density"]
         frame = self.delta_steps * ctx.token_time

@@ -43,8 +43,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jitflow_server.scheduler.peer_common import COMMON_PARAMS, PeerPolicy, frame_order
-from jitflow_server.scheduler.snapshot import Snapshot, validate_context
+from jitflow_server.scheduler.peer_common import COMMON_PARAMS, PeerPolicy, check_bool, frame_order
+from jitflow_server.scheduler.snapshot import Snapshot
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
 
 
@@ -62,9 +62,7 @@ class VLLMPriorityPolicy(PeerPolicy):
 
     def __init__(self, preempt_for_waiting: bool = False, **kw) -> None:
         super().__init__(**kw)
-        if not isinstance(preempt_for_waiting, (bool, np.bool_)):
-            raise ValueError(f"preempt_for_waiting must be True or False, got {preempt_for_waiting!r}")
-        self.preempt_for_waiting = bool(preempt_for_waiting)
+        self.preempt_for_waiting = check_bool("preempt_for_waiting", preempt_for_waiting)
         self._prio: dict[str, int] = {}
 
     def priority_values(self, snap: Snapshot) -> np.ndarray:
@@ -84,12 +82,10 @@ class VLLMPriorityPolicy(PeerPolicy):
     def schedule(self, views: Sequence[RequestView], ctx: SchedContext) -> Decision:
         """Running requests keep their slots (by priority), free slots go to waiting requests by
         ``(priority, arrival)``; with ``preempt_for_waiting`` worse running requests are preempted."""
-        validate_context(ctx)
-        self.frame_id += 1
-        snap = self._cache.build(views)
-        n, B = snap.n, ctx.batch_size
-        if n == 0:
+        snap = self.begin_frame(views, ctx)
+        if snap is None:
             return Decision([], [], {}, self.frame_id)
+        n, B = snap.n, ctx.batch_size
         prio = self.priority_values(snap)
         order = frame_order(n, prio, snap.arrival)
         run_o = order[snap.running[order]]
