@@ -182,3 +182,12 @@ def test_bench_sim_uses_the_predictor_from_the_data_directory(tmp_path):
     assert r.exit_code == 0, r.output
     cfg = json.loads((out / "results.json").read_text())["config"]
     assert cfg["length_bound"] == "predictor" and "AlpacaEval" in cfg["length_bound_reason"]
+
+
+def test_capacity_comes_from_fcfs_serving_every_job_at_the_top_load():
+    from jitflow_server.bench.sim_report import apply_capacity
+
+    heads = {"1.0": {"rps": 1.0, "fcfs_completion_rps": 0.99}, "4.0": {"rps": 4.0, "fcfs_completion_rps": 2.0}}
+    assert apply_capacity(heads) == 2.0
+    assert heads["1.0"]["load_over_capacity"] == 0.5 and heads["4.0"]["load_over_capacity"] == 2.0
+    assert apply_capacity({"1.0": {"rps": 1.0}}) is None

@@ -13,6 +13,7 @@ import typer
 from jitflow_server.bench.sim_report import (
     ADMISSION_TEXT,
     aggregate_headlines,
+    apply_capacity,
     fmt,
     headline,
     write_sim_report,
@@ -20,7 +21,7 @@ from jitflow_server.bench.sim_report import (
 
 DEFAULT_POLICIES = "gmax,fcfs,sarathi,sjf,las,edf,slos-serve,qlm,tempo,vllm-priority,oracle"
 PRESET_DEFAULTS = {
-    # loads from below to 2× the preset's capacity on the 1:1:1 mix (capacity_rps in the headline: 1.3 req/s)
+    # loads from below to 2× the preset's capacity on the 1:1:1 mix (capacity_rps in the headline)
     "a100-llama8b": {"rps": "1,1.3,2,2.6", "length_scale": 1.0, "max_context": None},
     "cpu-demo": {"rps": "0.5,1,2,3,4", "length_scale": 0.0625, "max_context": 8000},
     "cpu-demo-avx512": {"rps": "2,4,6,10,14", "length_scale": 0.0625, "max_context": 8000},
@@ -167,6 +168,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
         res["per_seed"] = {str(s): {k: {p: {m: r[m] for m in ("token_goodput", "request_goodput", "throughput",
                                                                "slo_attainment", "rejected")}
                                         for p, r in g[k].items()} for k in keys} for s, g in per_seed.items()}
+    apply_capacity(res["headline"])
     srps = sweep_rps or max(rps_list)
     if ablation:
         jobs = wl(n_requests, float(top))

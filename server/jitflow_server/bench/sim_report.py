@@ -59,10 +59,25 @@ def headline(main: dict, rps_key: str, admission: str = "shared") -> dict:
         # same work as FCFS (no request rejected by either): the scheduler's cost in serving capacity
         out["gmax_capacity_over_fcfs"] = runs["gmax-noadmit"]["throughput"] / max(fcfs_all["throughput"], 1e-9)
     if fcfs_all is not None and fcfs_all.get("makespan_s"):
-        # FCFS serving every job: jobs per second of makespan is the engine's capacity on this workload
-        out["capacity_rps"] = fcfs_all["jobs"] / fcfs_all["makespan_s"]
-        out["load_over_capacity"] = out["rps"] / out["capacity_rps"]
+        # FCFS serving every job: jobs per second of makespan; the engine's capacity once the load exceeds it
+        out["fcfs_completion_rps"] = fcfs_all["jobs"] / fcfs_all["makespan_s"]
     return out
+
+
+def apply_capacity(headlines: dict) -> float | None:
+    """Set ``capacity_rps`` and ``load_over_capacity`` on every load's headline from the top load's
+    ``fcfs_completion_rps`` (FCFS serving every job of the heaviest load completes jobs at the engine's
+    capacity; below capacity the completion rate is only the load). Returns the capacity (jobs/s) or None."""
+    if not headlines:
+        return None
+    top = max(headlines, key=float)
+    cap = headlines[top].get("fcfs_completion_rps")
+    if not cap:
+        return None
+    for h in headlines.values():
+        h["capacity_rps"] = cap
+        h["load_over_capacity"] = h["rps"] / cap
+    return cap
 
 
 def aggregate_headlines(heads: list[dict]) -> dict:
