@@ -386,7 +386,7 @@ def test_request_weight_values_meeting_a_request_not_only_its_tokens():
     # a compound stage group gets the value once, not once per member
     members = [RequestView(f"m{i}", Kind.COMPOUND, 1.0, 100, 0, 50, False, deadline=1000.0, task_id="T",
                            stage_index=0, task_tokens_est=600) for i in range(3)]
-    pol = gmax(request_weight=2.0)
+    pol = gmax(request_weight=2.0, compound_value="task")
     pol.schedule(members, ctx(now=1.0, b=3))
     assert list(pol.last_estimates.goodput) == [600 + 2.0 * 150] * 3
     # a latency request that can no longer have every token on time gets no request value

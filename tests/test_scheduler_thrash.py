@@ -17,7 +17,8 @@ from test_sim_engine import _run, _workload
 @pytest.mark.parametrize("clock", ["waiting", "arrival"])
 def test_clock_avoids_recompute_thrashing_under_overload(clock):
     jobs = _workload(n=80, rps=20.0, seed=5)  # far beyond the small engine's capacity
-    paper = dict(jit=False, free_pause=True, stall_value="tokens", request_weight=0.0)  # where the rotation was found
+    paper = dict(jit=False, free_pause=True, stall_value="tokens", request_weight=0.0,  # where the rotation was found
+                 compound_value="task")
     good = _run(jobs, starvation_clock=clock, **paper)
     served = _run(jobs, starvation_clock="served", **paper)
     assert served["preemptions"] > 0  # the scenario does provoke the rotation

@@ -45,19 +45,27 @@ def parse_grid(items: list[str]) -> dict[str, list]:
 
 
 def run_tuning(preset: str, grid: dict[str, list], rps_list: list[float], seeds: list[int], n_requests: int,
-               others: list[str], data_dir: Optional[Path], request_floor: float, progress=None) -> dict:
+               others: list[str], data_dir: Optional[Path], request_floor: float, progress=None,
+               length_bound: str = "auto") -> dict:
     """Run the grid (see the module docstring); returns the results dict written to ``tune.json``.
 
     Raises ``ValueError`` for an unknown policy or GMAX parameter."""
     from jitflow_server.bench.presets import load_preset
     from jitflow_server.bench.runner import RunSettings, run_sim_one
-    from jitflow_server.bench.sim_cli import PRESET_DEFAULTS
+    from jitflow_server.bench.sim_cli import PRESET_DEFAULTS, resolve_length_bound
     from jitflow_server.bench.workload import DataSources, make_workload
     from jitflow_server.scheduler import make_policy
 
     model = load_preset(preset)
     dflt = PRESET_DEFAULTS.get(model.name, {"length_scale": 1.0, "max_context": None})
     data = DataSources.load(data_dir)
+    bound, _ = resolve_length_bound(length_bound, data_dir, dflt["length_scale"], False)
+    alpaca = data_dir / "alpaca_eval" if data_dir is not None else None
+
+    def settings_of(seed: int, params: dict | None = None) -> RunSettings:
+        return RunSettings(seed=seed, length_scale=dflt["length_scale"], length_bound=bound, alpaca_dir=alpaca,
+                           gmax_params=dict(params or {}))
+
     settings = [dict(zip(grid, vals, strict=True)) for vals in itertools.product(*grid.values())] or [{}]
     for s in settings:
         make_policy("gmax", **dict(s))  # fail fast on an unknown parameter or value
@@ -74,7 +82,7 @@ def run_tuning(preset: str, grid: dict[str, list], rps_list: list[float], seeds:
         jobs = make_workload(n_requests, rps, data=data, seed=seed, length_scale=dflt["length_scale"],
                              max_context=dflt["max_context"])
         workloads[(seed, rps)] = jobs
-        st = RunSettings(seed=seed, length_scale=dflt["length_scale"])
+        st = settings_of(seed)
         runs = []
         for pol in others:
             tick(f"seed {seed}, {rps} rps: {pol}")
@@ -87,7 +95,7 @@ def run_tuning(preset: str, grid: dict[str, list], rps_list: list[float], seeds:
             tok, req = [], []
             for seed in seeds:
                 tick(f"{s or 'defaults'}: seed {seed}, {rps} rps")
-                st = RunSettings(seed=seed, length_scale=dflt["length_scale"], gmax_params=dict(s))
+                st = settings_of(seed, s)
                 r = run_sim_one(workloads[(seed, rps)], model, "gmax", st, data, analyzers)
                 bt, br = best[(seed, rps)]
                 tok.append(r["token_goodput"] / max(bt, 1e-9))
@@ -100,7 +108,8 @@ def run_tuning(preset: str, grid: dict[str, list], rps_list: list[float], seeds:
     ok = [r for r in rows if r["worst_request"] >= request_floor] or rows
     chosen = max(ok, key=lambda r: r["worst_token"])
     return {"config": {"preset": model.name, "grid": grid, "rps": rps_list, "seeds": seeds, "requests": n_requests,
-                       "others": others, "admission": "shared", "request_floor": request_floor, "data": data.origin},
+                       "others": others, "admission": "shared", "request_floor": request_floor, "data": data.origin,
+                       "length_bound": bound},
             "rows": rows, "chosen": chosen["params"], "wall_s": time.time() - t0}
 
 
@@ -111,8 +120,8 @@ def write_report(res: dict, out: Path, command: str) -> None:
     cfg = res["config"]
     loads = [str(r) for r in cfg["rps"]]
     L = [f"# GMAX tuning ({cfg['preset']})", "", f"Command: `{command}`", "",
-         f"Tuning seeds {cfg['seeds']}, {cfg['requests']} requests per workload, same admission control for every "
-         f"policy; ratios are GMAX over the best of {', '.join(cfg['others'])} per seed and load, averaged over "
+         f"Tuning seeds {cfg['seeds']}, {cfg['requests']} requests per workload, length bounds "
+         f"`{cfg.get('length_bound')}`, same admission control for every policy; ratios are GMAX over the best of {', '.join(cfg['others'])} per seed and load, averaged over "
          f"the seeds. Chosen (highest worst-case token ratio with worst-case request ratio ≥ "
          f"{cfg['request_floor']}): `{res['chosen']}`. Wall time {res['wall_s']:.0f} s.", "",
          "| parameters | " + " | ".join(f"{k} rps token / request" for k in loads) + " | worst token | worst request |",
@@ -143,6 +152,8 @@ def register(bench_app: typer.Typer) -> None:
         request_floor: float = typer.Option(0.9, "--request-floor", min=0.0,
                                             help="Lowest acceptable request-goodput ratio for the chosen setting."),
         data: Optional[Path] = typer.Option(None, "--data", help="Trace directory (default ../shared/data if present)."),
+        length_bound: str = typer.Option("auto", "--length-bound", help="Length bounds, as for `bench sim` (auto: the "
+                                         "server's predictor where the data allows, else noisy)."),
     ) -> None:
         """Choose GMAX's parameters on tuning seeds (not the evaluation's) against the other policies."""
         from rich.console import Console
@@ -168,8 +179,9 @@ def register(bench_app: typer.Typer) -> None:
         try:
             with Progress(*cols, transient=True) as prog:
                 prog.add_task("tuning", total=ticks)
-                res = run_tuning(preset, g, rps_l, seed_l, requests, others_l, resolve_data(data), request_floor, prog)
-        except ValueError as e:
+                res = run_tuning(preset, g, rps_l, seed_l, requests, others_l, resolve_data(data), request_floor, prog,
+                                 length_bound)
+        except (ValueError, FileNotFoundError) as e:
             raise typer.BadParameter(str(e)) from None
         write_report(res, out, "jitflow " + " ".join(sys.argv[1:]))
         Console().print(f"chosen {res['chosen']}; wrote {out / 'tune.json'} and {out / 'tune.md'}")

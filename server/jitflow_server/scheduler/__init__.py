@@ -58,7 +58,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: docs/scheduling.md), ``gmax-paper``
     (the paper's ``goodput/t_gen`` ranking, window, stall pricing and token-only objective, JITServe §4.2:
     ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0,
-    future_margin=1``),
+    compound_value="task"``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``, and the
     peer baselines ``vllm-priority`` (vLLM's priority scheduling with SLO-derived priorities),
     ``tempo`` (Tempo's service-density scheduling), ``qlm`` (QLM's request groups and virtual queue) and
@@ -81,7 +81,7 @@ def make_policy(name: str, **params: Any) -> Policy:
             params.setdefault("window", "paper")
             params.setdefault("overrun", 0.0)
             params.setdefault("request_weight", 0.0)  # the paper's token-only objective
-            params.setdefault("future_margin", 1.0)  # and the analyzer's estimates as they are
+            params.setdefault("compound_value", "task")  # a stage unlocks its whole task (§4.2)
         if key == "oracle":
             params.setdefault("use_true_len", True)
         return GMAXPolicy(name=key, **params)

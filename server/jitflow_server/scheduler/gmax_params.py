@@ -111,7 +111,7 @@ class GMAXParams:
       SJF or LAS. The paper notes that GMAX runs over any goodput definition, request-level included
       (§3, §6.2); this weight blends the two, so neither count is given up for the other. 0 = the
       paper's token objective. Chosen on tuning seeds (docs/scheduling.md "Counting requests as well as tokens").
-    - ``future_margin`` [2.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
+    - ``future_margin`` [1.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
       the task's later stages need). The current stage is sized with the length *upper bound* and the
       engine's *measured* decode speed, the later stages with the matched graph's typical lengths
       and the analyzer's static time model, so the later stages are underestimated against the
@@ -120,8 +120,9 @@ class GMAXParams:
       work was spent on them. The margin restores the same conservatism for the rest of the task
       (in its laxity, feasibility and priority); 2 is about the median bound/true ratio of a q = 0.9
       length bound (the simulator's noisy bound: 2.15; the QRF on unseen models: 1.8-2.0, see
-      docs/analyzer.md). 1 = the analyzer's estimate as is.
-    - ``compound_value`` ["task"]: the goodput of a compound stage group. "task" (JITServe §4.2): the
+      docs/analyzer.md). 1 = the analyzer's estimate as is (the default: with ``compound_value="stage"``
+      a margin of 2 gained nothing on the tuning workloads).
+    - ``compound_value`` ["stage"]: the goodput of a compound stage group. "task" (JITServe §4.2): the
       task's estimated total tokens (``task_tokens_est``), since the stage unlocks the whole task;
       "stage": the tokens of the stage's own calls. With "task" every stage of a task is priced at the
       whole task over its remaining time, which overstates a task whenever its later stages are
@@ -170,8 +171,8 @@ class GMAXParams:
     stall_value: str = "goodput"
     request_weight: float = 1.5
     task_commitment: float = 1.0
-    future_margin: float = 2.0
-    compound_value: str = "task"
+    future_margin: float = 1.0
+    compound_value: str = "stage"
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
