@@ -163,3 +163,14 @@ def test_short_simulation_with_predictor_bounds(source, builtin_data):
     attached = sum(j.total_tokens[1] for j in prep.jobs)
     assert attached != sum(j.total_tokens[1] for j in jobs)
     assert r1["output_tokens"] == r3["output_tokens"] == attached
+
+
+def test_workloads_that_differ_only_in_their_slos_get_their_own_attachment(source, builtin_data):
+    tight = make_workload(40, 4.0, data=builtin_data, seed=3, tightness=0.5)
+    loose = make_workload(40, 4.0, data=builtin_data, seed=3, tightness=2.0)
+    kw = dict(seed=3, decode_s=DECODE_S, prefill_s=PREFILL_S)
+    a = pb.prepare_predictor_run(tight, builtin_data, **kw)
+    b = pb.prepare_predictor_run(loose, builtin_data, **kw)
+    assert a is not b
+    assert [j.deadline for j in a.jobs] == [j.deadline for j in tight]
+    assert [j.deadline for j in b.jobs] == [j.deadline for j in loose]

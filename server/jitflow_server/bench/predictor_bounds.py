@@ -393,7 +393,11 @@ def get_source(alpaca: str | Path | None = None, quantile: float = DEFAULT_QUANT
 
 
 def _fingerprint(jobs: Sequence[Job]) -> int:
-    return hash(tuple((j.job_id, j.kind, j.arrival, tuple((c.input_len, int(c.output_len)) for s in j.stages for c in s))
+    """Hash of everything a run reads from a workload (identity, arrival, app, SLOs, tool time, lengths): two
+    workloads that differ in any of it, e.g. only in their SLOs (an SLO-tightness sweep), never share an
+    attachment."""
+    return hash(tuple((j.job_id, j.kind, j.arrival, j.app, j.ttft, j.tbt, j.deadline, j.tool_time,
+                       tuple((c.input_len, int(c.output_len), c.prefix_ids) for s in j.stages for c in s))
                       for j in jobs))
 
 
