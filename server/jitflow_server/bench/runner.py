@@ -147,8 +147,9 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
         an_mode, len_mode = "none", "average"
     analyzers = analyzers if analyzers is not None else {}
     B = st.batch_size or model.batch_size
+    tm = st.analyzer_model or model
+    refine_every = 50 if refine_bounds else 10**9
     if an_mode not in analyzers:
-        tm = st.analyzer_model or model
         analyzers[an_mode] = CompoundAnalyzer(an_mode, data, decode_s=tm.decode_token_time(B),
                                               prefill_s=tm.per_prefill_token_s, length_scale=st.length_scale)
     an = analyzers[an_mode]
@@ -157,17 +158,15 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     if st.length_bound == "predictor":
         from jitflow_server.bench.predictor_bounds import prepare_predictor_run
 
-        tm = st.analyzer_model or model
         prep = prepare_predictor_run(jobs, data, seed=st.seed, decode_s=tm.decode_token_time(B),
                                      prefill_s=tm.per_prefill_token_s, quantile=st.quantile,
                                      length_scale=st.length_scale, alpaca=st.alpaca_dir)
         jobs = prep.jobs
     if len_mode == "predictor":
-        bounder = prep.bounder(refine_every=50 if refine_bounds else 10**9)
+        bounder = prep.bounder(refine_every=refine_every)
         sim_an = bounder.wrap_advisor(an)
     else:
-        bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile,
-                                refine_every=50 if refine_bounds else 10**9)
+        bounder = LengthBounder(len_mode, sigma=st.sigma, quantile=st.quantile, refine_every=refine_every)
     if len_mode == "average":
         bounder.fit_averages(jobs)
     pol = build_policy(variant, st)

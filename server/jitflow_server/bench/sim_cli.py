@@ -105,16 +105,12 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     analyzers: dict = {}
     t0 = time.time()
 
-    tr = None
-    if trace is not None:
-        from jitflow_server.bench.traces import load_trace
+    from jitflow_server.bench.traces import load_trace, trace_workload
 
-        tr = load_trace(trace)
+    tr = load_trace(trace) if trace is not None else None
 
     def wl(n: int, rps: float, mx=mix_w, tight=tightness, s=seed):
         if tr is not None:
-            from jitflow_server.bench.traces import trace_workload
-
             return trace_workload(tr, rps=rps, mix=mx, seed=s, tightness=tight, data=data, length_scale=ls,
                                   max_context=dflt["max_context"], limit=n)
         return make_workload(n, rps, mix=mx, arrivals=arrivals, data=data, seed=s, tightness=tight,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jitflow_server.scheduler.frames import FramedPolicy
+from jitflow_server.scheduler.frames import FramedPolicy, frame_order
 from jitflow_server.scheduler.snapshot import (
     BEST_EFFORT,
     COMPOUND,
@@ -71,7 +71,7 @@ class OrderPolicy(FramedPolicy):
             return Decision([], [], {}, self.frame_id)
         key = np.asarray(self.keys(snap, ctx), float)
         primary = key if self.preemptive else np.where(snap.running, -np.inf, key)
-        order = np.lexsort((np.arange(snap.n), snap.arrival, primary))
+        order = frame_order(snap.n, primary, snap.arrival)
         chosen = order[: ctx.batch_size]
         in_batch = np.zeros(snap.n, bool)
         in_batch[chosen] = True

@@ -63,3 +63,8 @@ class FramedPolicy:
         held = float(snap.kv_tokens[snap.running].sum())
         new = float(np.maximum(snap.input_len + snap.generated - snap.kv_tokens, 0.0)[in_batch].sum())
         return held + new <= ctx.kv_capacity_tokens
+
+
+def frame_order(n: int, *keys: np.ndarray) -> np.ndarray:
+    """Stable lexicographic order of ``n`` requests (first key most significant; ties by position)."""
+    return np.lexsort((np.arange(n), *reversed(keys)))

@@ -117,8 +117,3 @@ class PeerPolicy(FramedPolicy):
         if self.full_priorities:
             return np.arange(snap.n)
         return np.union1d(order[: 2 * ctx.batch_size], np.flatnonzero(snap.running))
-
-
-def frame_order(n: int, *keys: np.ndarray) -> np.ndarray:
-    """Stable lexicographic order (first key most significant; ties by position)."""
-    return np.lexsort((np.arange(n), *reversed(keys)))

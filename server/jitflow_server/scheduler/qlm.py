@@ -59,6 +59,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from jitflow_server.scheduler.frames import frame_order
 from jitflow_server.scheduler.peer_common import (
     COMMON_PARAMS,
     PeerPolicy,
@@ -66,7 +67,6 @@ from jitflow_server.scheduler.peer_common import (
     check_fraction,
     check_int,
     check_positive,
-    frame_order,
 )
 from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY, Snapshot
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext

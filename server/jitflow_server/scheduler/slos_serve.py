@@ -88,13 +88,13 @@ from itertools import repeat
 
 import numpy as np
 
+from jitflow_server.scheduler.frames import frame_order
 from jitflow_server.scheduler.peer_common import (
     COMMON_PARAMS,
     PeerPolicy,
     check_bool,
     check_fraction,
     check_int,
-    frame_order,
 )
 from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext

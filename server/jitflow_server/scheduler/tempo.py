@@ -59,12 +59,12 @@ from numbers import Real
 
 import numpy as np
 
+from jitflow_server.scheduler.frames import frame_order
 from jitflow_server.scheduler.peer_common import (
     COMMON_PARAMS,
     PeerPolicy,
     check_fraction,
     check_positive,
-    frame_order,
 )
 from jitflow_server.scheduler.snapshot import BEST_EFFORT, LATENCY, Snapshot
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext

@@ -43,7 +43,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jitflow_server.scheduler.peer_common import COMMON_PARAMS, PeerPolicy, check_bool, frame_order
+from jitflow_server.scheduler.frames import frame_order
+from jitflow_server.scheduler.peer_common import COMMON_PARAMS, PeerPolicy, check_bool
 from jitflow_server.scheduler.snapshot import Snapshot
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
 
