@@ -193,9 +193,6 @@ class GMAXPolicy:
         gain = est.goodput if est.marginal is None else est.marginal + prm.jit_fill * est.goodput
         num = gain + (prm.starvation_delta * waited + 1e-6) * est.base
         prio = num / np.maximum(est.t_gen, 1e-9)
-        if prm.task_commitment > 1.0 and comp.any() and snap.stage is not None:
-            committed = comp & (snap.stage > 0) & est.feasible
-            prio[committed] *= prm.task_commitment
         if prm.fairness > 0 and n:
             fair = (prm.fair_fn or default_fair)(snap, ctx)
             scale = float(prio.max()) or 1.0

@@ -128,9 +128,6 @@ class GMAXParams:
       whole task over its remaining time, which overstates a task whenever its later stages are
       underestimated (see ``future_margin``) and starts tasks that are later abandoned; measured in
       docs/scheduling.md "Counting requests as well as tokens".
-    - ``task_commitment`` [1.0]: priority multiplier (≥ 1) for feasible stage groups of tasks past
-      their first stage (work already invested that is lost if a later stage is not admitted).
-      1 = off; measured in docs/scheduling.md "Counting requests as well as tokens".
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -170,7 +167,6 @@ class GMAXParams:
     free_pause: bool = False
     stall_value: str = "goodput"
     request_weight: float = 1.5
-    task_commitment: float = 1.0
     future_margin: float = 1.0
     compound_value: str = "stage"
     extra: dict = field(default_factory=dict)
@@ -214,7 +210,5 @@ class GMAXParams:
             raise ValueError(f"request_weight must be a finite number >= 0, got {self.request_weight}")
         if not (self.future_margin >= 1 and np.isfinite(self.future_margin)):
             raise ValueError(f"future_margin must be a finite number >= 1, got {self.future_margin}")
-        if not (self.task_commitment >= 1 and np.isfinite(self.task_commitment)):
-            raise ValueError(f"task_commitment must be a finite number >= 1, got {self.task_commitment}")
         if self.default_ttft <= 0 or self.default_tbt <= 0:
             raise ValueError("default_ttft and default_tbt must be > 0 s")

@@ -58,7 +58,6 @@ class Snapshot:
     task_index: np.ndarray  # int64 index of task_id (-1 when None), for program-level LAS
     admit_by: np.ndarray | None = None  # absolute s or NaN (waiting, never scheduled); None: no column
     rows: np.ndarray | None = None  # rows of these requests in the SnapshotCache that built it
-    stage: np.ndarray | None = None  # stage_index of compound calls (NaN: none)
 
     @property
     def n(self) -> int:
@@ -80,7 +79,7 @@ class SnapshotCache:
     more than ``2·N + 1024`` rows.
     """
 
-    _NF = 7  # static float columns: arrival, input_len, ttft, tbt, deadline, true_len, stage_index
+    _NF = 6  # static float columns: arrival, input_len, ttft, tbt, deadline, true_len
 
     def __init__(self, need_attained: bool = True, need_admit_by: bool = False) -> None:
         self.need_attained = need_attained
@@ -145,7 +144,6 @@ class SnapshotCache:
         f[3] = np.array([v.tbt for v in views], np.float64)
         f[4] = np.array([v.deadline for v in views], np.float64)
         f[5] = np.array([v.true_len for v in views], np.float64)
-        f[6] = np.array([v.stage_index for v in views], np.float64)
         bad = np.flatnonzero(f[1] < 0)
         if bad.size:
             raise SchedulingInputError(f"request {views[bad[0]].req_id!r}: input_len must be >= 0")
@@ -228,7 +226,6 @@ class SnapshotCache:
             n_groups=0,
             task_index=np.full(n, -1, np.int64),
             rows=rows,
-            stage=f[6],
         )
         if self.need_admit_by:
             snap.admit_by = np.fromiter(
