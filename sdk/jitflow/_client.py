@@ -1,11 +1,10 @@
 """HTTP clients: :class:`AsyncClient` and its sync twin :class:`Client` (httpx style).
 
 Resources mirror openai-python: ``client.chat.completions.create``, ``client.completions.create``,
-``client.models.list``. Transports are the seam: pass ``transport=httpx.MockTransport(...)`` in
-tests or any custom ``httpx`` transport.
-
-Size: about 700 lines because every public method exists twice, async and sync, with the same
-signature and docstring (the httpx/openai-python convention); each half reads on its own.
+``client.models.list`` (``jitflow/_resources.py``). Transports are the seam: pass
+``transport=httpx.MockTransport(...)`` in tests or any custom ``httpx`` transport. Every public method
+exists twice, async and sync, with the same signature and docstring (the httpx/openai-python
+convention); each half reads on its own.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ from ._exceptions import (
     APITimeoutError,
     status_error_from_response,
 )
+from ._resources import AsyncChat, AsyncCompletions, AsyncModels, Chat, Completions, Models
 from ._slo import SLO
 from ._streaming import AsyncStream, Stream
 from ._task import TaskScope
 from ._telemetry import TelemetryStats
-from ._types import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 
 __all__ = ["AsyncClient", "Client", "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT"]
 
@@ -49,23 +48,6 @@ def _normalise_base_url(base_url: str | None) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"base_url must start with http:// or https://, got {url!r}")
     return url
-
-
-def _check_messages(messages: Any) -> list[Any]:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    out = []
-    for m in messages:
-        if isinstance(m, BaseModel):
-            m = m.model_dump(exclude_none=True)
-        if not isinstance(m, Mapping) or "role" not in m:
-            raise ValueError(f"each message must be a mapping with a 'role', got {m!r}")
-        out.append(dict(m))
-    return out
-
-
-def _compact(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if v is not None}
 
 
 class _BaseClient:
@@ -363,127 +345,6 @@ class AsyncClient(_BaseClient):
         return obj
 
 
-class AsyncChat:
-    """``client.chat`` namespace."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self.completions = AsyncChatCompletions(client)
-
-
-class AsyncChatCompletions:
-    """``client.chat.completions``."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-
-    async def create(
-        self,
-        *,
-        messages: Sequence[Mapping[str, Any]],
-        model: str | None = None,
-        stream: bool = False,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        slo: SLO | dict[str, Any] | None = None,
-        waiting_time: float | None = None,
-        parents: Sequence[str] | None = None,
-        timeout: float | httpx.Timeout | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        **extra: Any,
-    ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
-        """``POST /v1/chat/completions``.
-
-        Args:
-            messages: OpenAI chat messages (non-empty list of ``{"role", "content"}``).
-            model: model id (default: task/client model, else the server's first model).
-            stream: if True, returns an :class:`AsyncStream` of :class:`ChatCompletionChunk`
-                (sent once the response headers arrive, so admission errors raise here).
-            max_tokens: output-token cap. temperature: sampling temperature.
-            response_format: OpenAI ``response_format`` object.
-            slo: :class:`Latency` | :class:`Deadline` | :class:`Compound` | :class:`BestEffort` or a
-                wire dict. Default: none outside a task; inside a task ``Compound`` with the time
-                left to the task deadline (``BestEffort`` in a best-effort stage).
-            waiting_time: admission bound in seconds, merged into the SLO.
-            parents: explicit parent call ids inside a task (default: previous stage's calls).
-            timeout: per-call timeout override (seconds / ``httpx.Timeout``).
-            extra_headers, extra_body, **extra: merged into the request headers / JSON body.
-
-        Returns:
-            :class:`ChatCompletion` (``.jitflow`` = :class:`Timing`) or an :class:`AsyncStream`.
-
-        Raises:
-            ValueError: bad ``messages`` / SLO values (pydantic ``ValidationError`` is a ValueError).
-            APIStatusError subclasses, AdmissionRejectedError, APIConnectionError, APITimeoutError,
-            DeadlineExceededError (implicit stage after the task deadline).
-        """
-        msgs = _check_messages(messages)
-        model = await self._client._resolve_model(model)
-        body = _compact(
-            {
-                "model": model,
-                "messages": msgs,
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "response_format": dict(response_format) if response_format is not None else None,
-            }
-        )
-        return await self._client._llm(
-            "/v1/chat/completions", "chat", body, stream=stream, cast=ChatCompletion,
-            chunk_cls=ChatCompletionChunk, slo=slo, waiting_time=waiting_time, parents=parents,
-            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
-        )
-
-
-class AsyncCompletions:
-    """``client.completions`` (legacy text completions)."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-
-    async def create(
-        self,
-        *,
-        prompt: str | list[int],
-        model: str | None = None,
-        stream: bool = False,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        slo: SLO | dict[str, Any] | None = None,
-        waiting_time: float | None = None,
-        parents: Sequence[str] | None = None,
-        timeout: float | httpx.Timeout | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        **extra: Any,
-    ) -> Completion | AsyncStream[Completion]:
-        """``POST /v1/completions``; same arguments and errors as chat, with ``prompt`` (text or
-        token ids) instead of ``messages``. Streamed chunks are :class:`Completion` objects."""
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
-            raise ValueError("prompt must be a non-empty string or a list of token ids")
-        model = await self._client._resolve_model(model)
-        body = _compact({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature})
-        return await self._client._llm(
-            "/v1/completions", "text_completion", body, stream=stream, cast=Completion,
-            chunk_cls=Completion, slo=slo, waiting_time=waiting_time, parents=parents,
-            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
-        )
-
-
-class AsyncModels:
-    """``client.models``."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-
-    async def list(self) -> ModelList:
-        """``GET /v1/models`` -> :class:`ModelList` (``.data`` is a list of :class:`Model`)."""
-        response = await self._client._request("GET", "/v1/models")
-        return self._client._parse(ModelList, response)
-
-
-# ============================================================================ sync
 class Client(_BaseClient):
     """Synchronous twin of :class:`AsyncClient` (same arguments minus telemetry; compound tasks
     are async-only). ``transport`` is an ``httpx.BaseTransport``."""
@@ -608,99 +469,3 @@ class Client(_BaseClient):
             raise
         self._finish_parsed(call, obj)
         return obj
-
-
-class Chat:
-    """``client.chat`` namespace (sync)."""
-
-    def __init__(self, client: Client) -> None:
-        self.completions = ChatCompletions(client)
-
-
-class ChatCompletions:
-    """``client.chat.completions`` (sync)."""
-
-    def __init__(self, client: Client) -> None:
-        self._client = client
-
-    def create(
-        self,
-        *,
-        messages: Sequence[Mapping[str, Any]],
-        model: str | None = None,
-        stream: bool = False,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        slo: SLO | dict[str, Any] | None = None,
-        waiting_time: float | None = None,
-        parents: Sequence[str] | None = None,
-        timeout: float | httpx.Timeout | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        **extra: Any,
-    ) -> ChatCompletion | Stream[ChatCompletionChunk]:
-        """Sync twin of :meth:`AsyncChatCompletions.create` (returns a :class:`Stream` when
-        ``stream=True``)."""
-        msgs = _check_messages(messages)
-        model = self._client._resolve_model(model)
-        body = _compact(
-            {
-                "model": model,
-                "messages": msgs,
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "response_format": dict(response_format) if response_format is not None else None,
-            }
-        )
-        return self._client._llm(
-            "/v1/chat/completions", "chat", body, stream=stream, cast=ChatCompletion,
-            chunk_cls=ChatCompletionChunk, slo=slo, waiting_time=waiting_time, parents=parents,
-            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
-        )
-
-
-class Completions:
-    """``client.completions`` (sync)."""
-
-    def __init__(self, client: Client) -> None:
-        self._client = client
-
-    def create(
-        self,
-        *,
-        prompt: str | list[int],
-        model: str | None = None,
-        stream: bool = False,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        slo: SLO | dict[str, Any] | None = None,
-        waiting_time: float | None = None,
-        parents: Sequence[str] | None = None,
-        timeout: float | httpx.Timeout | None = None,
-        extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
-        **extra: Any,
-    ) -> Completion | Stream[Completion]:
-        """Sync twin of :meth:`AsyncCompletions.create`."""
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
-            raise ValueError("prompt must be a non-empty string or a list of token ids")
-        model = self._client._resolve_model(model)
-        body = _compact({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature})
-        return self._client._llm(
-            "/v1/completions", "text_completion", body, stream=stream, cast=Completion,
-            chunk_cls=Completion, slo=slo, waiting_time=waiting_time, parents=parents,
-            timeout=timeout, extra_headers=extra_headers, extra_body=extra_body, extra=extra,
-        )
-
-
-class Models:
-    """``client.models`` (sync)."""
-
-    def __init__(self, client: Client) -> None:
-        self._client = client
-
-    def list(self) -> ModelList:
-        """``GET /v1/models`` -> :class:`ModelList`."""
-        response = self._client._request("GET", "/v1/models")
-        return self._client._parse(ModelList, response)
