@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jitflow_server.analyzer.length import (
+    FORMAT_VERSION,
     CompiledForest,
     LengthModelError,
     LengthPredictor,
@@ -89,7 +90,7 @@ def test_save_load_round_trip(tmp_path, fitted: LengthPredictor) -> None:
     prompts, _, _ = synth(50, 4)
     path = fitted.save(tmp_path / "m.pkl")
     loaded = LengthPredictor.load(path, counter=REGEX)
-    assert loaded.version == fitted.version and loaded.version.startswith("qrf-v1")
+    assert loaded.version == fitted.version and loaded.version.startswith(f"qrf-v{FORMAT_VERSION}")
     assert np.array_equal(loaded.predict(prompts), fitted.predict(prompts))
 
 

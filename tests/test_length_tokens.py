@@ -98,7 +98,7 @@ def test_service_counts_and_logs_with_the_injected_counter(saved, tmp_path) -> N
 
 def test_saved_model_names_only_the_compiled_forest_by_its_module_path(saved) -> None:
     """Saved models must keep loading: the pickle references jitflow code only through
-    ``jitflow_server.analyzer.length.CompiledForest``."""
+    ``jitflow_server.analyzer.length_forest.CompiledForest``."""
     _, path, _ = saved
     seen: set[tuple[str, str]] = set()
 
@@ -109,4 +109,4 @@ def test_saved_model_names_only_the_compiled_forest_by_its_module_path(saved) ->
 
     with open(path, "rb") as fh:
         Recorder(fh).load()
-    assert {c for c in seen if c[0].startswith("jitflow")} == {("jitflow_server.analyzer.length", "CompiledForest")}
+    assert {c for c in seen if c[0].startswith("jitflow")} == {("jitflow_server.analyzer.length_forest", "CompiledForest")}

@@ -10,6 +10,7 @@ import pytest
 import typer
 
 from jitflow_server.analyzer.length_calibration import DEFAULT_QUANTILE
+from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.bench import predictor_bounds as pb
 from jitflow_server.bench.estimates import LengthBounder
 from jitflow_server.bench.runner import RunSettings, run_sim_one
@@ -141,10 +142,12 @@ def test_compound_calls_use_pattern_then_history_quantile(builtin_data):
     q0 = hist.bound("tot", 1, 0)
     assert q0 is not None and b.bound(n, 0, 0.0, ("compound", "tot", 1), rid) == q0
     assert b.bound(n, 120, 0.0, ("compound", "tot", 1), rid) == max(hist.bound("tot", 1, 100), 121)
-    b.pattern[("j9", 1)] = 180  # the advisor matched a pattern: it wins, is capped by max_tokens, floored at g + 1
-    assert b.bound(n, 0, 0.0, ("compound", "tot", 1), rid) == 180
-    assert b.bound(n, 250, 0.0, ("compound", "tot", 1), rid) == 251
-    b.pattern[("j9", 1)] = 5000
+    # the advisor matched patterns: their samples win, refined as the call generates, capped by max_tokens
+    b.pattern[("j9", 1)] = StageLengthSamples(tuple(range(100, 200)), (), 0.9, 1)
+    assert b.bound(n, 0, 0.0, ("compound", "tot", 1), rid) == 190
+    assert b.bound(n, 160, 0.0, ("compound", "tot", 1), rid) == 195  # issued at 150: q0.9 of 151..199
+    assert b.bound(n, 250, 0.0, ("compound", "tot", 1), rid) == max(hist.bound("tot", 1, 250) or 0, 251)
+    b.pattern[("j9", 1)] = StageLengthSamples(tuple([5000] * 20), (), 0.9, 1)
     assert b.bound(n, 0, 0.0, ("compound", "tot", 1), rid) == pb.COMPOUND_MAX_TOKENS
 
 

@@ -47,7 +47,8 @@ def test_matched_call_gets_the_pattern_share_and_a_stage_length_bound(mgr):
     ctx0 = TaskContext(task_id="t2", stage_index=0, call_id="c0")
     adv = mgr.advise_call(ctx0, DEEPRESEARCH_MODEL, "r0", 100, 500, _timing("r0"))
     assert adv.task_tokens_est == sum(i + o for st in hist for i, o in st)
-    assert adv.len_bound == int(1.2 * 50) + 1  # the matched stage's longest output, with headroom
+    # the q-quantile of the matched graphs' outputs of the stage, refined later from the same samples
+    assert adv.len_bound == 50 and adv.len_samples is not None and adv.len_samples.neighbours == (50,) * 5
     assert t.t0 < adv.sub_deadline < t.t0 + 30.0  # a share of the deadline, not all of it
     capped = mgr.advise_call(TaskContext(task_id="t2", stage_index=0, call_id="c0b"), DEEPRESEARCH_MODEL, "r0b", 100, 8,
                              _timing("r0b"))

@@ -4,8 +4,9 @@ One object, :class:`CompoundAdvisor`, turns a compound task's *partial pattern g
 stages with their lengths and the open stage with its inputs) into a :class:`StageAdvice` for the
 open stage: the sub-deadline ``T0 + φ(s)·D`` (accumulated share of the best-matching history graph,
 ``analyzer/subdeadline.py``), the generation time still to come after this stage
-(``task_rem_gen_time``), the task's estimated total tokens, and a length bound from the matched
-stage's past outputs. The server's task manager (``api/tasks.py``), the benchmarks and the simulator
+(``task_rem_gen_time``), the task's estimated total tokens, and the past output lengths the open
+stage's length bound is computed from (``analyzer/stage_length.py``: the same stage of the
+``bound_top_k`` most similar history graphs, refined as tokens are generated). The server's task manager (``api/tasks.py``), the benchmarks and the simulator
 (through ``bench/``) all call it, so what is measured is what is served.
 
 Modes:
@@ -24,12 +25,18 @@ give the whole deadline, 0 s and no estimate).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from jitflow_server.analyzer.length_calibration import DEFAULT_QUANTILE
+from jitflow_server.analyzer.stage_length import (
+    STAGE_TOP_K,
+    StageCalibrator,
+    StageLengthSamples,
+    samples_from_match,
+)
 from jitflow_server.analyzer.subdeadline import (
     DEFAULT_TIME_MODEL,
     TokenTimeModel,
@@ -40,8 +47,6 @@ from jitflow_server.analyzer.subdeadline import (
 ADVISOR_MODES = ("pattern", "oracle", "none")
 #: Where a length bound came from, strongest first (see :func:`resolve_len_bound`).
 BOUND_SOURCES = ("exact", "pattern", "predictor", "max_tokens")
-#: Headroom of the pattern length bound over the longest matched output of the stage.
-PATTERN_BOUND_HEADROOM = 1.2
 
 
 def resolve_len_bound(max_tokens: int, *, exact: bool = False, pattern: int | None = None,
@@ -49,8 +54,9 @@ def resolve_len_bound(max_tokens: int, *, exact: bool = False, pattern: int | No
     """The output-length upper bound (tokens) of a call and its source, by explicit precedence.
 
     ``exact`` (``ignore_eos``: the call generates exactly ``max_tokens``) > ``pattern`` (the matched
-    pattern graph's stage) > ``predicted`` (the length predictor or its fallback) > ``max_tokens``.
-    Only a ``predictor`` or ``max_tokens`` bound is refined while the call runs. The result is within
+    pattern graphs' stage, :class:`~jitflow_server.analyzer.stage_length.StageLengthSamples`) >
+    ``predicted`` (the length predictor or its fallback) > ``max_tokens``. Every source but ``exact`` is
+    refined while the call runs (a pattern bound from its samples, the others by the predictor). The result is within
     ``[generated + 1, max_tokens]``. Raises ``ValueError`` if ``max_tokens < 1``.
     """
     if max_tokens < 1:
@@ -82,8 +88,10 @@ class StageAdvice:
     ``sub_deadline``: absolute time on the clock of the task start ``t0`` (s); ``task_rem_gen_time``:
     estimated generation time of the later stages (slot-seconds); ``task_tokens_est``: estimated input +
     output tokens of the whole task (``None``: unknown); ``len_bound``: bound from the matched stage's
-    outputs (tokens, ``None``: no match), not yet capped by ``max_tokens``; ``matched``: summary of the
-    match (graph id, score, stage count, candidates, match time in ms) or ``None``.
+    outputs at 0 generated tokens (tokens, ``None``: no match), not yet capped by ``max_tokens``;
+    ``matched``: summary of the match (graph id, score, stage count, candidates, match time in ms) or
+    ``None``; ``len_samples``: the past lengths the bound is computed from at any generated count
+    (``None``: no match).
     """
 
     sub_deadline: float
@@ -91,6 +99,7 @@ class StageAdvice:
     task_tokens_est: int | None
     len_bound: int | None = None
     matched: dict[str, Any] | None = field(default=None)
+    len_samples: StageLengthSamples | None = None
 
 
 class CompoundAdvisor:
@@ -101,13 +110,23 @@ class CompoundAdvisor:
         matcher_for: the matcher of an app (``None``: no history for it); used in ``pattern`` mode.
         time_model: token time model of the sub-deadline shares (the served engine's speed).
         stats: fallback summaries per app.
-    Raises ``ValueError`` for an unknown mode.
+        bound_top_k: history graphs whose same-stage outputs bound the call (:data:`STAGE_TOP_K`).
+        quantile: coverage q of the stage bounds.
+    The sub-deadline uses the matcher's own ``top_k`` neighbours (the best graph by default) whatever
+    ``bound_top_k`` is. :attr:`stage_calibrator` calibrates served stage bounds online.
+    Raises ``ValueError`` for an unknown mode or ``bound_top_k < 1``.
     """
 
     def __init__(self, mode: str = "pattern", *, matcher_for: Callable[[str], Any] | None = None,
-                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL, stats: AppStats | None = None) -> None:
+                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL, stats: AppStats | None = None,
+                 bound_top_k: int = STAGE_TOP_K, quantile: float = DEFAULT_QUANTILE) -> None:
         if mode not in ADVISOR_MODES:
             raise ValueError(f"advisor mode must be one of {ADVISOR_MODES}, got {mode!r}")
+        if bound_top_k < 1:
+            raise ValueError("bound_top_k must be >= 1")
+        self.bound_top_k = int(bound_top_k)
+        self.quantile = float(quantile)
+        self.stage_calibrator = StageCalibrator(quantile)
         self.mode = mode
         self.matcher_for = matcher_for or (lambda app: None)
         self.time_model = time_model
@@ -143,7 +162,8 @@ class CompoundAdvisor:
         t_0 = time.perf_counter()
         if matcher is not None and partial is not None:
             try:
-                match = matcher.match(partial, bump=False)
+                match = matcher.match(partial, bump=False,
+                                      top_k=max(self.bound_top_k, getattr(matcher, "top_k", 1)))
             except ValueError:  # a partial graph the matcher cannot read: no match
                 match = None
         ms = (time.perf_counter() - t_0) * 1e3
@@ -153,9 +173,12 @@ class CompoundAdvisor:
             return self.fallback(app, stage_pos, t0, deadline)
         g = match.graph
         i, o = g.total_tokens()
-        outs = [n.output_len for n in g.nodes if n.stage == stage_pos and n.kind == "llm" and n.output_len]
-        bound = int(math.ceil(PATTERN_BOUND_HEADROOM * max(outs)) + 1) if outs else None
+        pool = matcher.stage_outputs(app, stage_pos) if hasattr(matcher, "stage_outputs") else ()
+        samples = samples_from_match(match, stage_pos, pool, self.quantile)
+        # sub-deadlines from the matcher's own neighbours only (the best graph unless it ensembles)
+        timing_match = replace(match, neighbours=match.neighbours[: getattr(matcher, "top_k", 1)])
         matched = {"graph_id": match.graph_id, "score": round(float(match.score), 4), "n_stages": g.n_stages,
                    "task_tokens": int(i + o), "n_candidates": match.n_candidates, "match_ms": round(ms, 3)}
-        return StageAdvice(sub_deadline(match, stage_pos, t0, deadline, time_model=self.time_model),
-                           remaining_time(match, stage_pos, time_model=self.time_model), i + o, bound, matched)
+        return StageAdvice(sub_deadline(timing_match, stage_pos, t0, deadline, time_model=self.time_model),
+                           remaining_time(timing_match, stage_pos, time_model=self.time_model), i + o,
+                           samples.bound(0), matched, samples)

@@ -7,7 +7,7 @@ its serving context (app, model, stage). While the response is being generated t
 with ``k`` tokens generated, the forest is queried again with features of the generated prefix and
 ``k`` itself, and the bound never falls below ``k``.
 
-This module holds the forest (:class:`LengthPredictor`: ``fit``, ``predict``, ``refit``, ``save``/``load``
+This module holds the predictor (:class:`LengthPredictor`: ``fit``, ``predict``, ``refit``, ``save``/``load``
 with a format version stamp, :class:`LengthModelError` on bad files). Beside it: ``tokens.py`` (the
 :class:`~jitflow_server.analyzer.tokens.TokenCounter` used for every count, passed as ``counter=`` by
 whoever knows the served model, else the process-wide default), ``length_features.py``
@@ -18,8 +18,10 @@ conformal calibrator, the running-quantile fallback, ``finalize_bound``) and ``l
 The asynchronous, batched serving wrapper is :mod:`jitflow_server.analyzer.length_service`.
 
 Saved models are pickles of a dict (:meth:`LengthPredictor.save`) whose only jitflow class is
-:class:`CompiledForest`, stored under its path ``jitflow_server.analyzer.length.CompiledForest``: it must
-stay in this module (or be re-exported from it) for saved models to load.
+:class:`~jitflow_server.analyzer.length_forest.CompiledForest`, stored under its path
+``jitflow_server.analyzer.length_forest.CompiledForest``: it must stay there for saved models to load
+(the prompt memory is saved as plain data). The predictor keeps two forests when it has a prompt
+memory (``length_memory.py``): the text forest and the memory forest (see :class:`LengthPredictor`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import pickle
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,91 +50,34 @@ from jitflow_server.analyzer.length_features import (
     ContextEncoder,
     prefix_features,
     prompt_features,
+    request_features,
 )
+from jitflow_server.analyzer.length_forest import CompiledForest
+from jitflow_server.analyzer.length_io import (
+    ENV_MODEL_PATH,
+    FORMAT_VERSION,
+    MODEL_MAGIC,
+    LengthModelError,
+    default_model_path,
+    load_predictor,
+    load_predictor_or_none,
+    save_predictor,
+)
+from jitflow_server.analyzer.length_memory import MEMORY_FEATURE_NAMES, PromptMemory
 from jitflow_server.analyzer.tokens import TokenCounter, get_token_counter
 
 logger = logging.getLogger(__name__)
+#: Names of the saved-model layer, re-exported here (``length_io.py``).
+__all__ = ["ENV_MODEL_PATH", "FORMAT_VERSION", "MODEL_MAGIC", "LengthModelError", "LengthPredictor", "CompiledForest",
+           "default_model_path", "load_predictor_or_none"]
 
-#: Version of the saved-model layout; :meth:`LengthPredictor.load` rejects other versions.
-FORMAT_VERSION = 1
-#: Marker written at the top of every saved model.
-MODEL_MAGIC = "jitflow-length-qrf"
 #: Generated-token counts at which refinement training rows are built (JITServe re-predicts every
 #: 50 tokens; the forest interpolates between grid points because ``k`` is a feature).
 DEFAULT_REFINE_GRID: tuple[int, ...] = (50, 100, 150, 200, 300, 400, 600, 800, 1200, 1600)
-ENV_MODEL_PATH = "JITFLOW_LENGTH_MODEL"
-
-
-class LengthModelError(Exception):
-    """A length model file is missing, unreadable, corrupt, of another format version, or unusable."""
-
-
-def default_model_path() -> Path:
-    """Path of the default length model: ``$JITFLOW_LENGTH_MODEL`` or ``~/.cache/jitflow/models/length-qrf.pkl``."""
-    env = os.environ.get(ENV_MODEL_PATH)
-    if env:
-        return Path(env).expanduser()
-    return Path("~/.cache/jitflow/models/length-qrf.pkl").expanduser()
-
-
-class CompiledForest:
-    """Fast exact prediction path for a fitted ``RandomForestQuantileRegressor`` (single output).
-
-    quantile-forest's ``predict`` parallelises over trees with joblib and pools leaf samples in
-    general-purpose code: about 10-15 ms for one request on this machine. This class walks each
-    tree with ``tree_.apply`` and pools the stored leaf samples (ragged arrays, one sort per request),
-    which reproduces quantile-forest's default estimator (``weighted_quantile=True,
-    weighted_leaves=False``, linear interpolation; equal to ~1e-12) in ~1 ms. Verified against
-    quantile-forest by ``tests/test_length_predictor.py``.
-    """
-
-    def __init__(self, forest: Any) -> None:
-        qf = forest.forest_
-        ytl = np.asarray(qf.y_train_leaves)  # (n_trees, max_nodes, n_outputs, max_samples_leaf), 1-based, 0 pad
-        yt = np.asarray(qf.y_train, dtype=np.float64)
-        yt = yt.reshape(-1) if yt.ndim == 1 else yt[0]
-        self.trees = [e.tree_ for e in forest.estimators_]
-        offs = np.cumsum([0] + [t.node_count for t in self.trees])
-        self.node_off = offs[:-1].astype(np.int64)
-        starts = np.zeros(offs[-1], dtype=np.int64)
-        lens = np.zeros(offs[-1], dtype=np.int64)
-        chunks = []
-        pos = 0
-        for ti, t in enumerate(self.trees):
-            idx = ytl[ti, : t.node_count, 0, :]
-            cnt = (idx > 0).sum(axis=1)
-            nodes = np.nonzero(cnt)[0]
-            for node in nodes:
-                v = yt[idx[node, : cnt[node]] - 1]
-                starts[offs[ti] + node] = pos
-                lens[offs[ti] + node] = len(v)
-                chunks.append(v)
-                pos += len(v)
-        self.starts, self.lens = starts, lens
-        self.vals = np.concatenate(chunks) if chunks else np.zeros(0)
-
-    def leaves(self, X: np.ndarray) -> np.ndarray:
-        """Global leaf ids, shape ``(n, n_trees)``, for float32 rows ``X``."""
-        X = np.ascontiguousarray(X, dtype=np.float32)
-        return np.stack([t.apply(X) + o for t, o in zip(self.trees, self.node_off, strict=True)], axis=1)
-
-    def predict(self, X: np.ndarray, quantile: float) -> np.ndarray:
-        """q-quantile of the pooled leaf samples for each row of ``X``; shape ``(n,)``."""
-        L = self.leaves(X)
-        n, T = L.shape
-        st = self.starts[L].ravel()
-        ln = self.lens[L].ravel()
-        idx = np.arange(int(ln.sum())) + np.repeat(st - np.cumsum(ln) + ln, ln)
-        v = self.vals[idx]
-        seg = ln.reshape(n, T).sum(axis=1)
-        sid = np.repeat(np.arange(n), seg)
-        v = v[np.lexsort((v, sid))]
-        start = np.concatenate([[0], np.cumsum(seg)[:-1]])
-        pos = quantile * (seg - 1)
-        lo = np.floor(pos).astype(np.int64)
-        hi = np.minimum(lo + 1, seg - 1)
-        fr = pos - lo
-        return v[start + lo] * (1 - fr) + v[start + hi] * fr
+#: Smallest spread log(q-bound / median) used to scale calibration offsets (log units).
+MIN_SPREAD = 0.05
+#: Fewest training rows with a near remembered prompt for which a memory forest is fitted.
+MIN_MEMORY_ROWS = 200
 
 
 class LengthPredictor:
@@ -149,15 +93,27 @@ class LengthPredictor:
     makes their coverage exactly ``q`` is stored and applied (QRF leaf pooling alone under-covers by
     1-2 points here). ``keep_forest`` keeps the ``quantile-forest`` object after fitting (its padded
     leaf arrays take gigabytes for ~10^4 rows); by default only the :class:`CompiledForest` (tens of
-    MB, what is saved and served) is kept. Defaults were chosen by measurement (docs/analyzer.md,
+    MB, what is saved and served) is kept. ``text_memory`` adds a second forest, the *memory forest*,
+    for prompts whose most similar remembered prompt (:class:`PromptMemory`, TF-IDF cosine) is at least
+    ``memory_similarity`` similar: it also sees the output lengths of the ``memory_k`` most similar
+    remembered prompts. Every other prompt is bounded by the *text forest*, which never sees memory
+    columns, so prompts without a near twin are bounded exactly as without a memory. ``spread_scaled`` measures every
+    calibration offset in units of the row's own spread ``log(bound_q / median)`` (normalised conformal
+    scores, Lei et al. 2018): rows the forest is sure of move less than rows it is not, which shortens
+    the tail of bound/true at the same coverage. Defaults were chosen by measurement (docs/analyzer.md,
     "Length upper bound").
+
+    Feature matrix columns: prompt features, prefix features, memory features, request features
+    (``max_tokens``, response format), one-hot context (app, kind, stage, model).
     Raises ``ValueError`` for bad arguments.
     """
 
     def __init__(self, quantile: float = DEFAULT_QUANTILE, *, n_estimators: int = 100, max_depth: int | None = 30,
                  min_samples_leaf: int = 5, max_samples_leaf: int | None = 64, max_features: float = 0.33,
                  refine_grid: Sequence[int] = DEFAULT_REFINE_GRID, log_target: bool = True, cv_folds: int = 2,
-                 random_state: int = 0, counter: TokenCounter | None = None, keep_forest: bool = False) -> None:
+                 random_state: int = 0, counter: TokenCounter | None = None, keep_forest: bool = False,
+                 text_memory: bool = True, memory_k: int = 8, memory_similarity: float = 0.9,
+                 spread_scaled: bool = True) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {quantile}")
         if n_estimators < 1:
@@ -169,9 +125,18 @@ class LengthPredictor:
         self.log_target = bool(log_target)
         self.cv_folds = int(cv_folds)
         self.keep_forest = bool(keep_forest)
+        self.text_memory = bool(text_memory)
+        self.memory_k = int(memory_k)
+        self.spread_scaled = bool(spread_scaled)
+        #: the prompt memory (``None``: not used, or no training prompt text)
+        self.memory: PromptMemory | None = None
         self.random_state = random_state
         self._counter = counter
         self._compiled: CompiledForest | None = None
+        #: forest for prompts with a near remembered prompt (``None``: no memory, or too few such rows)
+        self._compiled_memory: Any = None
+        self.base_theta_memory: dict[int, float] = {}
+        self.memory_similarity = float(memory_similarity)
         #: conformal log-offset per calibration bucket learned at fit time (see ``cv_folds``)
         self.base_theta: dict[int, float] = {}
         self.tokenizer_name: str | None = None
@@ -197,8 +162,50 @@ class LengthPredictor:
         """True once :meth:`fit` (or :meth:`load`) produced a forest."""
         return self._compiled is not None
 
-    def _assemble(self, P: np.ndarray, G: np.ndarray, contexts: Sequence[Mapping[str, Any] | None]) -> np.ndarray:
-        return np.hstack([P, G, self.context_encoder.transform(contexts)]).astype(np.float32)
+    def _assemble(self, P: np.ndarray, G: np.ndarray, contexts: Sequence[Mapping[str, Any] | None],
+                  M: np.ndarray | None = None) -> np.ndarray:
+        """Model rows ``[P, G, M, request features, one-hot context]`` (float32); ``M=None``: zeros."""
+        if M is None:
+            M = np.zeros((len(P), len(MEMORY_FEATURE_NAMES)))
+        return np.hstack([P, G, M, request_features(contexts), self.context_encoder.transform(contexts)]
+                         ).astype(np.float32)
+
+    def _params(self) -> dict[str, Any]:
+        """Constructor arguments of an identically configured predictor."""
+        return dict(refine_grid=self.refine_grid, log_target=self.log_target, cv_folds=self.cv_folds,
+                    random_state=self.random_state, counter=self._counter, keep_forest=self.keep_forest,
+                    text_memory=self.text_memory, memory_k=self.memory_k,
+                    memory_similarity=self.memory_similarity, spread_scaled=self.spread_scaled,
+                    **self.params)
+
+    def memory_rows(self, examples: Sequence[LengthExample], memory: PromptMemory | None,
+                    offset: int = 0) -> np.ndarray:
+        """Training memory features per example, shape ``(len(examples), 6)``.
+
+        Examples with prompt text are remembered at rows ``offset, offset+1, ...`` of ``memory`` (in
+        order) and never find their own response (other responses to the same prompt they do find: that
+        is the case the memory forest serves). Examples without text use their recorded
+        ``memory_features`` (else zeros).
+        """
+        M = np.zeros((len(examples), len(MEMORY_FEATURE_NAMES)))
+        if memory is None:
+            return M
+        with_text = [i for i, e in enumerate(examples) if e.prompt is not None]
+        if with_text:
+            excl = [offset + j for j in range(len(with_text))]
+            M[with_text] = memory.features([examples[i].prompt or "" for i in with_text], exclude=excl)
+        for i, e in enumerate(examples):
+            if e.prompt is None and e.memory_features is not None and len(e.memory_features) == M.shape[1]:
+                M[i] = e.memory_features
+        return M
+
+    def fit_memory(self, examples: Sequence[LengthExample]) -> PromptMemory | None:
+        """A :class:`PromptMemory` of the examples with prompt text (``None`` when ``text_memory`` is off or
+        there are too few); rows follow the order of those examples (see :meth:`memory_rows`)."""
+        texts = [(e.prompt, e.output_len) for e in examples if e.prompt is not None]
+        if not self.text_memory or len(texts) <= self.memory_k:
+            return None
+        return PromptMemory(self.memory_k).fit([t for t, _ in texts], [n for _, n in texts])
 
     def _make_forest(self) -> Any:
         from quantile_forest import RandomForestQuantileRegressor
@@ -237,53 +244,88 @@ class LengthPredictor:
             raise ValueError("output lengths must be >= 0")
         P, G, y, C, idx = build_rows(examples, self.refine_grid, self.counter)
         self.context_encoder = ContextEncoder().fit([e.context for e in examples])
-        X = self._assemble(P, G, C)
+        self.memory = self.fit_memory(examples)
+        M = self.memory_rows(examples, self.memory)[idx]
+        X = self._assemble(P, G, C, M)
         keys = [examples[i].key for i in idx]
         self._fit_matrix(X, y, keys)
         self.n_train_examples = len(examples)
         return self
 
     def fit_rows(self, P: np.ndarray, G: np.ndarray, y: np.ndarray, contexts: Sequence[Mapping[str, Any] | None],
-                 groups: Sequence[str] | None = None) -> LengthPredictor:
+                 groups: Sequence[str] | None = None, *, M: np.ndarray | None = None,
+                 memory: PromptMemory | None = None) -> LengthPredictor:
         """Train on precomputed rows (see :func:`build_rows`): prompt features ``P (n, n_prompt)``,
-        prefix features ``G (n, n_prefix)``, total lengths ``y (n,)``, one context dict per row and an
-        optional group key per row (rows of one response share a key; used by ``cv_folds``)."""
+        prefix features ``G (n, n_prefix)``, total lengths ``y (n,)``, one context dict per row, an
+        optional group key per row (rows of one response share a key; used by ``cv_folds``), and the
+        rows' memory features ``M (n, 5)`` computed with ``memory`` (which is kept for prediction;
+        ``None``: no memory, zero columns)."""
         if len(y) == 0:
             raise ValueError("no training rows")
         self.context_encoder = ContextEncoder().fit(list(contexts))
-        self._fit_matrix(self._assemble(P, G, contexts), np.asarray(y, dtype=np.float64), groups)
+        self.memory = memory if self.text_memory else None
+        if self.memory is None:
+            M = None
+        self._fit_matrix(self._assemble(P, G, contexts, M), np.asarray(y, dtype=np.float64), groups)
         self.n_train_examples = len(set(groups)) if groups is not None else int(np.sum(G[:, 1] == 0))
         return self
 
     def _k_column(self) -> int:
         return len(PROMPT_FEATURE_NAMES) + PREFIX_FEATURE_NAMES.index("k")
 
-    def _fit_matrix(self, X: np.ndarray, y: np.ndarray, groups: Sequence[str] | None = None) -> None:
+    def _fit_one(self, X: np.ndarray, y: np.ndarray, groups: Sequence[str] | None) -> tuple[CompiledForest, dict[int, float], Any]:
+        """One forest on rows ``X`` with its cross-fitted conformal offsets per k-bucket (``cv_folds``)."""
         target = np.log1p(y) if self.log_target else y
         ks = X[:, self._k_column()].astype(np.int64)
-        self.base_theta = {}
+        theta: dict[int, float] = {}
         if self.cv_folds >= 2 and groups is not None and len(set(groups)) >= 2 * self.cv_folds:
             fold = np.asarray([int(hashlib.sha1(g.encode()).hexdigest()[:8], 16) % self.cv_folds for g in groups])
-            honest = np.full(len(y), np.nan)
+            honest = np.full((len(y), 2), np.nan)
             for f in range(self.cv_folds):
                 tr, te = fold != f, fold == f
                 if tr.sum() == 0 or te.sum() == 0:
                     continue
                 m = self._make_forest().fit(X[tr], target[tr])
-                honest[te] = CompiledForest(m).predict(X[te], self.quantile)
-            ok = ~np.isnan(honest)
-            pred = np.expm1(honest) if self.log_target else honest
+                honest[te] = CompiledForest(m).predict_quantiles(X[te], [0.5, self.quantile])
+            ok = ~np.isnan(honest[:, 1])
+            pred, spread = self._bound_and_spread(np.nan_to_num(honest))
             buckets = np.asarray([calibration_bucket(int(k)) for k in ks])
             for b in CALIBRATION_BUCKETS:
                 sel = ok & (buckets == b)
                 if sel.sum() >= 30:
                     bound = np.maximum(pred[sel], ks[sel] + 1.0)
-                    score = np.log(np.maximum(y[sel], 1.0) / np.maximum(bound, 1.0))
-                    self.base_theta[b] = float(np.quantile(score, self.quantile, method="higher"))
+                    score = np.log(np.maximum(y[sel], 1.0) / np.maximum(bound, 1.0)) / spread[sel]
+                    theta[b] = float(np.quantile(score, self.quantile, method="higher"))
         forest = self._make_forest()
         forest.fit(X, target)
-        self._compiled = CompiledForest(forest)
+        return CompiledForest(forest), theta, forest
+
+    def _memory_cols(self) -> slice:
+        start = len(PROMPT_FEATURE_NAMES) + len(PREFIX_FEATURE_NAMES)
+        return slice(start, start + len(MEMORY_FEATURE_NAMES))
+
+    def _near(self, X: np.ndarray) -> np.ndarray:
+        """Rows served by the memory forest: a remembered prompt at least ``memory_similarity`` similar."""
+        if self._compiled_memory is None:
+            return np.zeros(len(X), dtype=bool)
+        top = X[:, self._memory_cols().start + MEMORY_FEATURE_NAMES.index("nn_top_sim")]
+        return top >= self.memory_similarity
+
+    def _fit_matrix(self, X: np.ndarray, y: np.ndarray, groups: Sequence[str] | None = None) -> None:
+        """Fit the text forest on every row (memory columns zeroed) and, when a memory exists and enough
+        rows have a near remembered prompt, the memory forest on those rows."""
+        Xt = X.copy()
+        Xt[:, self._memory_cols()] = 0.0
+        self._compiled, self.base_theta, forest = self._fit_one(Xt, y, groups)
         self.forest = forest if self.keep_forest else None
+        self._compiled_memory, self.base_theta_memory = None, {}
+        if self.memory is not None:
+            self._compiled_memory = True  # so that _near selects by similarity
+            near = self._near(X)
+            self._compiled_memory = None
+            if near.sum() >= MIN_MEMORY_ROWS:
+                g = [groups[i] for i in np.nonzero(near)[0]] if groups is not None else None
+                self._compiled_memory, self.base_theta_memory, _ = self._fit_one(X[near], y[near], g)
         self.train_X, self.train_y = X, y
         self.train_groups = list(groups) if groups is not None else None
         self.tokenizer_name = self.counter.name
@@ -296,9 +338,7 @@ class LengthPredictor:
         Does not modify ``self`` (the caller swaps atomically). The context vocabulary is re-fitted on
         the new examples plus the previous vocabulary. Raises ``ValueError`` if there is nothing to fit.
         """
-        new = LengthPredictor(self.quantile, refine_grid=self.refine_grid, log_target=self.log_target,
-                              cv_folds=self.cv_folds, random_state=self.random_state, counter=self._counter,
-                              keep_forest=self.keep_forest, **self.params)
+        new = LengthPredictor(self.quantile, **self._params())
         old_vocab = self.context_encoder.vocab
         ctxs = [e.context for e in examples]
         new.context_encoder = ContextEncoder().fit(ctxs)
@@ -306,9 +346,16 @@ class LengthPredictor:
             merged = list(old_vocab.get(f, [])) + [v for v in new.context_encoder.vocab[f] if v not in old_vocab.get(f, [])]
             new.context_encoder.vocab[f] = merged[: new.context_encoder.max_values]
         mats, ys, groups = [], [], []
+        texts = [(e.prompt, e.output_len) for e in examples if e.prompt is not None]
+        if self.memory is not None:
+            new.memory = self.memory.extend([t for t, _ in texts], [n for _, n in texts])
+        else:
+            new.memory = new.fit_memory(examples)
         if examples:
             P, G, y, C, idx = build_rows(examples, self.refine_grid, self.counter)
-            mats.append(new._assemble(P, G, C))
+            offset = new.memory.n_items - len(texts) if new.memory is not None else 0
+            M = new.memory_rows(examples, new.memory, offset=max(offset, 0))[idx]
+            mats.append(new._assemble(P, G, C, M))
             ys.append(y)
             groups += [examples[i].key for i in idx]
         if keep_previous and self.train_X is not None and self.train_y is not None:
@@ -336,12 +383,15 @@ class LengthPredictor:
     def features(self, prompts: Sequence[str], generated: Sequence[str] | None = None,
                  context: Sequence[Mapping[str, Any] | None] | None = None,
                  generated_tokens: Sequence[int] | None = None, prompt_tokens: Sequence[int] | None = None,
-                 prompt_feats: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 prompt_feats: np.ndarray | None = None,
+                 memory_feats: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(X, k)``: the model matrix (float32) and the generated-token counts for a batch.
 
         ``generated`` are the generated texts so far (default empty); ``generated_tokens`` their token
         counts and ``prompt_tokens`` the prompts' (default: counted with :attr:`counter`).
-        ``prompt_feats`` may be passed to reuse cached :func:`prompt_features` rows.
+        ``prompt_feats`` / ``memory_feats`` may be passed to reuse cached :func:`prompt_features` /
+        :meth:`memory_features` rows. ``context`` dicts may carry app, kind, model, stage, max_tokens
+        and response_format.
         """
         n = len(prompts)
         gen = list(generated) if generated is not None else [""] * n
@@ -359,24 +409,58 @@ class LengthPredictor:
             prompt_feats = prompt_features(prompts, prompt_tokens)
         G = prefix_features(gen, ks)
         ctx = list(context) if context is not None else [None] * n
-        return self._assemble(prompt_feats, G, ctx), np.asarray(ks, dtype=np.int64)
+        if memory_feats is None:
+            memory_feats = self.memory_features(prompts)
+        return self._assemble(prompt_feats, G, ctx, memory_feats), np.asarray(ks, dtype=np.int64)
 
-    def predict_matrix(self, X: np.ndarray, quantile: float | None = None, *, conformal: bool = True) -> np.ndarray:
-        """Raw bound on the total length for model rows ``X`` (float tokens, shape ``(n,)``).
+    def memory_features(self, prompts: Sequence[str]) -> np.ndarray:
+        """Prompt-memory features, shape ``(len(prompts), 5)`` (zeros without a memory)."""
+        if self.memory is None:
+            return np.zeros((len(prompts), len(MEMORY_FEATURE_NAMES)))
+        return self.memory.features(prompts)
 
-        The forest's q-quantile times the fit-time conformal factor of each row's k-bucket
-        (``conformal=True`` and ``quantile`` equal to the trained one). Raises
-        :class:`LengthModelError` if the predictor is not fitted.
+    def _bound_and_spread(self, qv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """From forest outputs ``(n, 2)`` (median, q-quantile in target space): the q bound in tokens and
+        the spread ``log(bound / median)`` (>= MIN_SPREAD; all ones when not ``spread_scaled``)."""
+        lo, hi = (np.expm1(qv[:, 0]), np.expm1(qv[:, 1])) if self.log_target else (qv[:, 0], qv[:, 1])
+        if not self.spread_scaled:
+            return hi, np.ones(len(hi))
+        spread = np.log(np.maximum(hi, 1.0) / np.maximum(lo, 1.0))
+        return hi, np.maximum(spread, MIN_SPREAD)
+
+    def predict_bounds(self, X: np.ndarray, quantile: float | None = None, *,
+                       conformal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """``(bound, spread)`` for model rows ``X``, each shape ``(n,)``.
+
+        ``bound``: the forest's q-quantile of the total length (float tokens) times the fit-time conformal
+        factor ``exp(θ_b · spread)`` of each row's k-bucket (``conformal=True`` and ``quantile`` equal to
+        the trained one). ``spread``: ``log(q-quantile / median)`` of the forest (log units), the unit of
+        every calibration offset (1.0 when not ``spread_scaled``); pass it to
+        :meth:`OnlineCalibrator.factor`. Raises :class:`LengthModelError` if the predictor is not fitted.
         """
         if self._compiled is None:
             raise LengthModelError("length predictor is not fitted")
         q = self.quantile if quantile is None else float(quantile)
-        pred = self._compiled.predict(np.asarray(X, dtype=np.float32), q)
-        pred = np.expm1(pred) if self.log_target else pred
-        if conformal and self.base_theta and q == self.quantile:
+        X = np.asarray(X, dtype=np.float32)
+        near = self._near(X)
+        qv = np.empty((len(X), 2))
+        Xt = X[~near].copy()
+        Xt[:, self._memory_cols()] = 0.0
+        qv[~near] = self._compiled.predict_quantiles(Xt, [0.5, q]) if len(Xt) else np.empty((0, 2))
+        if near.any():
+            qv[near] = self._compiled_memory.predict_quantiles(X[near], [0.5, q])
+        pred, spread = self._bound_and_spread(qv)
+        if conformal and q == self.quantile and (self.base_theta or self.base_theta_memory):
             ks = X[:, self._k_column()]
-            pred = pred * np.exp([self.base_theta.get(calibration_bucket(int(k)), 0.0) for k in ks])
-        return pred
+            theta = np.asarray([(self.base_theta_memory if m else self.base_theta).get(calibration_bucket(int(k)), 0.0)
+                                for k, m in zip(ks, near, strict=True)])
+            pred = pred * np.exp(theta * spread)
+        return pred, spread
+
+    def predict_matrix(self, X: np.ndarray, quantile: float | None = None, *, conformal: bool = True) -> np.ndarray:
+        """Bound on the total length for model rows ``X`` (float tokens, shape ``(n,)``): the first
+        element of :meth:`predict_bounds`. Raises :class:`LengthModelError` if not fitted."""
+        return self.predict_bounds(X, quantile, conformal=conformal)[0]
 
     def predict(self, prompts: Sequence[str], generated: Sequence[str] | None = None,
                 context: Sequence[Mapping[str, Any] | None] | None = None, *,
@@ -392,46 +476,13 @@ class LengthPredictor:
         caps = list(max_tokens) if max_tokens is not None else [None] * len(prompts)
         return np.asarray([finalize_bound(r, int(k), c) for r, k, c in zip(raw, ks, caps, strict=True)], dtype=np.int64)
 
-    # -- persistence --------------------------------------------------------------------------------
+    # -- persistence (length_io.py) -----------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Pickle the predictor with its version stamp to ``path`` (atomic rename). Returns the path.
 
         Raises :class:`LengthModelError` if not fitted. Only load files you produced: the format is pickle.
         """
-        if self._compiled is None:
-            raise LengthModelError("cannot save an unfitted length predictor")
-        import quantile_forest
-        import sklearn
-
-        path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "magic": MODEL_MAGIC,
-            "format_version": FORMAT_VERSION,
-            "feature_version": FEATURE_VERSION,
-            "version": self.version,
-            "quantile": self.quantile,
-            "params": self.params,
-            "refine_grid": self.refine_grid,
-            "log_target": self.log_target,
-            "cv_folds": self.cv_folds,
-            "base_theta": self.base_theta,
-            "train_groups": self.train_groups,
-            "random_state": self.random_state,
-            "tokenizer": self.tokenizer_name,
-            "context_vocab": self.context_encoder.vocab,
-            "compiled": self._compiled,
-            "n_train_examples": self.n_train_examples,
-            "train_X": self.train_X,
-            "train_y": self.train_y,
-            "meta": self.meta,
-            "libs": {"sklearn": sklearn.__version__, "quantile_forest": quantile_forest.__version__},
-        }
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            pickle.dump(payload, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-        return path
+        return save_predictor(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], counter: TokenCounter | None = None) -> LengthPredictor:
@@ -443,52 +494,4 @@ class LengthPredictor:
         model was trained with a tokenizer of another :attr:`TokenCounter.name` than ``counter``'s
         (its bounds are then in other tokens than the ones counted at serving time).
         """
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise LengthModelError(f"length model not found: {path}")
-        try:
-            with open(path, "rb") as fh:
-                payload = pickle.load(fh)
-        except Exception as exc:  # pickle raises many types on corrupt input
-            raise LengthModelError(f"corrupt length model {path}: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(payload, dict) or payload.get("magic") != MODEL_MAGIC:
-            raise LengthModelError(f"{path} is not a jitflow length model")
-        if payload.get("format_version") != FORMAT_VERSION or payload.get("feature_version") != FEATURE_VERSION:
-            raise LengthModelError(
-                f"{path}: model format v{payload.get('format_version')}/features v{payload.get('feature_version')}, "
-                f"this jitflow reads v{FORMAT_VERSION}/v{FEATURE_VERSION}; retrain with `jitflow analyzer train-length`")
-        try:
-            p = cls(payload["quantile"], refine_grid=payload["refine_grid"], log_target=payload["log_target"],
-                    cv_folds=payload["cv_folds"], random_state=payload["random_state"], counter=counter,
-                    **payload["params"])
-            p.base_theta = {int(k): float(v) for k, v in payload["base_theta"].items()}
-            p.train_groups = payload.get("train_groups")
-            p._compiled = payload["compiled"]
-            p.version = payload["version"]
-            p.tokenizer_name = payload["tokenizer"]
-            p.context_encoder.vocab = payload["context_vocab"]
-            p.n_train_examples = payload["n_train_examples"]
-            p.train_X, p.train_y = payload.get("train_X"), payload.get("train_y")
-            p.meta = payload.get("meta", {})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise LengthModelError(f"corrupt length model {path}: missing/invalid field {exc}") from exc
-        if not isinstance(p._compiled, CompiledForest):
-            raise LengthModelError(f"corrupt length model {path}: no compiled forest")
-        current = p.counter.name
-        if p.tokenizer_name != current:
-            logger.warning("length model %s was trained with tokenizer %r but %r is in use; bounds may be off",
-                           path, p.tokenizer_name, current)
-        return p
-
-
-def load_predictor_or_none(path: str | os.PathLike[str] | None = None,
-                           counter: TokenCounter | None = None) -> LengthPredictor | None:
-    """Load the length model at ``path`` (default :func:`default_model_path`) with ``counter`` (see
-    :meth:`LengthPredictor.load`); on any :class:`LengthModelError` log a warning and return ``None``
-    (callers then use the fallback)."""
-    path = Path(path).expanduser() if path is not None else default_model_path()
-    try:
-        return LengthPredictor.load(path, counter=counter)
-    except LengthModelError as exc:
-        logger.warning("length model unavailable, using the running-quantile fallback: %s", exc)
-        return None
+        return load_predictor(cls, path, counter)

@@ -45,14 +45,17 @@ def calibration_bucket(k: int) -> int:
 
 
 class OnlineCalibrator:
-    """Adaptive conformal inference on the bound, per (app, model, k-bucket). Thread-safe.
+    """Adaptive conformal inference on the bound, per (app, kind, model, k-bucket). Thread-safe.
 
-    The served bound is ``raw · exp(θ_g)``. After each finished request, for every bound it was
-    issued (one per k-bucket), ``θ_g ← θ_g + γ·(1[len > bound] − (1 − q))`` (Gibbs & Candès 2021,
-    online quantile tracking on the log-score ``log(len/raw)``): long-run miss rate of every group
-    tends to ``1 − q`` whatever the distribution shift, with error ``O(1/(γT))``. A new group starts
-    from the θ of the global group of its k-bucket (which is updated by every observation), so an
-    unseen model/app inherits what was learned so far. ``step`` γ is in log units (0.05 ≈ 5 %).
+    The served bound is ``raw · exp(θ_g · spread)``, where ``spread`` is the predictor's own
+    ``log(bound / median)`` for that request (:meth:`LengthPredictor.predict_bounds`; 1.0 for a
+    predictor without spreads): offsets are normalised conformal scores, so a request the forest is
+    sure of moves less than one it is not. After each finished request, for every bound it was issued
+    (one per k-bucket), ``θ_g ← θ_g + γ·(1[len > bound] − (1 − q))`` (Gibbs & Candès 2021, online
+    quantile tracking): the long-run miss rate of every group tends to ``1 − q`` whatever the
+    distribution shift, with error ``O(1/(γT))``. A new group starts from the θ of the global group of
+    its k-bucket (which is updated by every observation), so an unseen model/app/kind inherits what was
+    learned so far. ``step`` γ is in spread units (0.05 ≈ 5 % of the spread).
     """
 
     def __init__(self, quantile: float = DEFAULT_QUANTILE, step: float = 0.05, max_abs: float = 3.0) -> None:
@@ -63,32 +66,35 @@ class OnlineCalibrator:
         self.quantile = quantile
         self.step = step
         self.max_abs = max_abs
-        self._theta: dict[tuple[str, str, int], float] = {}
-        self._n: dict[tuple[str, str, int], int] = {}
+        self._theta: dict[tuple[str, str, str, int], float] = {}
+        self._n: dict[tuple[str, str, str, int], int] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(app: str | None, model: str | None, k: int) -> tuple[str, str, int]:
-        return (str(app) if app is not None else "", str(model) if model is not None else "", calibration_bucket(k))
+    def _key(app: str | None, model: str | None, k: int, kind: str | None) -> tuple[str, str, str, int]:
+        return (str(app) if app is not None else "", str(kind) if kind is not None else "",
+                str(model) if model is not None else "", calibration_bucket(k))
 
-    def theta(self, app: str | None, model: str | None, k: int) -> float:
-        """Current log-scale offset of the group (inherits the global one for an unseen group)."""
-        key = self._key(app, model, k)
+    def theta(self, app: str | None, model: str | None, k: int, *, kind: str | None = None) -> float:
+        """Current offset of the group, in spread units (inherits the global one for an unseen group)."""
+        key = self._key(app, model, k, kind)
         with self._lock:
             if key in self._theta:
                 return self._theta[key]
-            return self._theta.get(("*", "*", key[2]), 0.0)
+            return self._theta.get(("*", "*", "*", key[3]), 0.0)
 
-    def factor(self, app: str | None, model: str | None, k: int) -> float:
-        """Multiplicative factor ``exp(θ)`` applied to the raw bound."""
-        return math.exp(self.theta(app, model, k))
+    def factor(self, app: str | None, model: str | None, k: int, *, kind: str | None = None,
+               spread: float = 1.0) -> float:
+        """Multiplicative factor ``exp(θ · spread)`` applied to the raw bound (``spread`` in log units)."""
+        return math.exp(self.theta(app, model, k, kind=kind) * spread)
 
-    def update(self, app: str | None, model: str | None, k: int, issued_bound: float, true_len: int) -> None:
+    def update(self, app: str | None, model: str | None, k: int, issued_bound: float, true_len: int, *,
+               kind: str | None = None) -> None:
         """Record that a bound ``issued_bound`` (as served, tokens) given after ``k`` tokens saw ``true_len``."""
         miss = 1.0 if true_len > issued_bound else 0.0
         delta = self.step * (miss - (1.0 - self.quantile))
-        key = self._key(app, model, k)
-        gkey = ("*", "*", key[2])
+        key = self._key(app, model, k, kind)
+        gkey = ("*", "*", "*", key[3])
         with self._lock:
             g = self._theta.get(gkey, 0.0)
             cur = self._theta.get(key, g)
@@ -99,7 +105,7 @@ class OnlineCalibrator:
                 self._n[gkey] = self._n.get(gkey, 0) + 1
 
     def state(self) -> dict[str, dict[str, float]]:
-        """Snapshot ``{"app|model|bucket": {"theta", "n"}}`` (for metrics/debugging)."""
+        """Snapshot ``{"app|kind|model|bucket": {"theta", "n"}}`` (for metrics/debugging)."""
         with self._lock:
             return {"|".join(map(str, k)): {"theta": v, "n": self._n.get(k, 0)} for k, v in self._theta.items()}
 

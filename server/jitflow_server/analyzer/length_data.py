@@ -42,7 +42,9 @@ class LengthExample:
     ``output_len`` is in tokens of the :class:`TokenCounter` named ``tokenizer``. Either ``prompt``
     text or ``prompt_features`` (a FEATURE_VERSION vector) is present; ``output`` text (optional)
     enables refinement rows at the refine grid; ``prefix_features`` maps ``k`` to a prefix-feature
-    vector recorded online (telemetry without text).
+    vector recorded online (telemetry without text). ``kind`` (SLO kind), ``max_tokens`` and
+    ``response_format`` (OpenAI ``response_format.type``) are the request's own; ``memory_features``
+    are the prompt-memory features served with it (used for telemetry rows without prompt text).
     """
 
     output_len: int
@@ -55,11 +57,16 @@ class LengthExample:
     prompt_features: list[float] | None = None
     prefix_features: dict[int, list[float]] = field(default_factory=dict)
     source: str = ""
+    kind: str | None = None
+    max_tokens: int | None = None
+    response_format: str | None = None
+    memory_features: list[float] | None = None
 
     @property
     def context(self) -> dict[str, Any]:
-        """The categorical context dict ``{"app", "model", "stage"}``."""
-        return {"app": self.app, "model": self.model, "stage": self.stage}
+        """The request context dict ``{"app", "kind", "model", "stage", "max_tokens", "response_format"}``."""
+        return {"app": self.app, "kind": self.kind, "model": self.model, "stage": self.stage,
+                "max_tokens": self.max_tokens, "response_format": self.response_format}
 
     @property
     def key(self) -> str:
@@ -83,6 +90,9 @@ def telemetry_record(
     bound0: int | None = None,
     output: str | None = None,
     tokenizer: str | None = None,
+    kind: str | None = None,
+    response_format: str | None = None,
+    memory_feats: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """One line of the jitflow length-telemetry JSONL (one finished request per line).
 
@@ -90,7 +100,8 @@ def telemetry_record(
     "app", "model", "stage": str|null, "max_tokens": int|null, "output_len": int (tokens),
     "prompt_tokens": int|null, "bound0": int|null (bound issued at arrival),
     "prompt": str (optional, only when text recording is on), "output": str (optional),
-    "prompt_features": [float] (optional), "prefix_features": {"<k>": [float]} (optional)}``.
+    "prompt_features": [float] (optional), "prefix_features": {"<k>": [float]} (optional),
+    "slo_kind": str|null (SLO kind), "response_format": str|null, "memory_features": [float] (optional)}``.
     Training needs ``output_len`` and either ``prompt`` or ``prompt_features``.
     """
     rec: dict[str, Any] = {
@@ -105,7 +116,11 @@ def telemetry_record(
         "output_len": int(output_len),
         "prompt_tokens": prompt_tokens,
         "bound0": bound0,
+        "slo_kind": kind,
+        "response_format": response_format,
     }
+    if memory_feats is not None:
+        rec["memory_features"] = [round(float(x), 6) for x in memory_feats]
     if prompt is not None:
         rec["prompt"] = prompt
     if output is not None:
@@ -124,6 +139,7 @@ def _example_from_telemetry(rec: Mapping[str, Any], source: str) -> LengthExampl
     pre = rec.get("prefix_features") or {}
     if rec.get("feature_version", FEATURE_VERSION) != FEATURE_VERSION:
         feats, pre = None, {}
+        rec = {k: v for k, v in rec.items() if k != "memory_features"}
     if rec.get("prompt") is None and feats is None:
         return None
     return LengthExample(
@@ -137,6 +153,10 @@ def _example_from_telemetry(rec: Mapping[str, Any], source: str) -> LengthExampl
         prompt_features=list(feats) if feats is not None else None,
         prefix_features={int(k): list(v) for k, v in pre.items()},
         source=source,
+        kind=rec.get("slo_kind"),
+        max_tokens=rec.get("max_tokens"),
+        response_format=rec.get("response_format"),
+        memory_features=list(rec["memory_features"]) if rec.get("memory_features") is not None else None,
     )
 
 

@@ -1,6 +1,7 @@
-"""Data-independent feature vectors of the length model (JITServe §4.1): prompt features, generated-prefix
-features and the request context (app, model, stage); no fitted vocabulary, so telemetry recorded by one
-model version can train the next."""
+"""Feature vectors of the length model (JITServe §4.1): data-independent prompt features, generated-prefix
+features, request features (``max_tokens``, response format) and the categorical context (app, kind, model,
+stage). The prompt and prefix features have no fitted vocabulary, so telemetry recorded by one model
+version can train the next; the prompt memory (``length_memory.py``) is the fitted part."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jitflow_server.analyzer.tokens import WORD_TOKEN_RE, count_tokens
 
 #: Version of the feature definitions; telemetry rows carrying other versions are re-featurised
 #: from text when possible, otherwise skipped.
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,21 +164,44 @@ def prefix_features(prefixes: Sequence[str], ks: Sequence[int]) -> np.ndarray:
     return out
 
 
+REQUEST_FEATURE_NAMES: tuple[str, ...] = ("log_max_tokens", "json_format")
+#: Response formats that constrain the output to JSON (OpenAI's ``response_format.type``).
+JSON_FORMATS = frozenset({"json_object", "json_schema"})
+
+
+def request_features(contexts: Sequence[Mapping[str, Any] | None]) -> np.ndarray:
+    """Shape ``(len(contexts), 2)``: ``log1p(max_tokens)`` (0 when the request sets none) and 1.0 when
+    ``response_format`` (a ``type`` string such as ``"json_schema"``) constrains the output to JSON.
+
+    Requests state these limits themselves; AlpacaEval rows have neither, so the forest learns their
+    effect only from serving telemetry (the served bound is capped by ``max_tokens`` in any case).
+    """
+    out = np.zeros((len(contexts), len(REQUEST_FEATURE_NAMES)))
+    for i, c in enumerate(contexts):
+        c = c or {}
+        mt = c.get("max_tokens")
+        if isinstance(mt, (int, float)) and mt > 0:
+            out[i, 0] = math.log1p(float(mt))
+        out[i, 1] = float(c.get("response_format") in JSON_FORMATS)
+    return out
+
+
 class ContextEncoder:
-    """One-hot encoding of the categorical context (app, stage, model) with a vocabulary fitted at training.
+    """One-hot encoding of the categorical context (app, kind, stage, model) with a vocabulary fitted
+    at training.
 
     Unknown or missing values encode as all zeros for that field. ``max_values`` bounds the vocabulary
     per field (most frequent values kept).
     """
 
-    FIELDS = ("app", "stage", "model")
+    FIELDS = ("app", "kind", "stage", "model")
 
     def __init__(self, max_values: int = 16) -> None:
         self.max_values = max_values
         self.vocab: dict[str, list[str]] = {f: [] for f in self.FIELDS}
 
     def fit(self, contexts: Sequence[Mapping[str, Any] | None]) -> ContextEncoder:
-        """Learn the vocabulary from training contexts (dicts with optional app/stage/model keys)."""
+        """Learn the vocabulary from training contexts (dicts with optional app/kind/stage/model keys)."""
         for f in self.FIELDS:
             counts: dict[str, int] = {}
             for c in contexts:

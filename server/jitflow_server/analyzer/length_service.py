@@ -38,7 +38,7 @@ from jitflow_server.analyzer.length_calibration import (
     finalize_bound,
 )
 from jitflow_server.analyzer.length_data import LengthExample, telemetry_record
-from jitflow_server.analyzer.length_features import prompt_features
+from jitflow_server.analyzer.length_features import PREFIX_FEATURE_NAMES, prompt_features
 from jitflow_server.analyzer.tokens import TokenCounter, get_token_counter
 
 logger = logging.getLogger(__name__)
@@ -51,10 +51,14 @@ class _Req:
     model: str | None
     stage: str | None
     max_tokens: int | None
+    kind: str | None = None
+    response_format: str | None = None
     k: int = 0  # latest generated-token count seen
     last_model_k: int = -1  # k of the latest submission sent to the forest
     prompt_tokens: int | None = None
     prompt_feats: np.ndarray | None = None
+    memory_feats: np.ndarray | None = None
+    memory_of: int = 0  # id() of the predictor whose memory computed memory_feats
     prefix_feats: dict[int, list[float]] = field(default_factory=dict)
     issued: list[tuple[int, float]] = field(default_factory=list)  # (k, served bound) from the model
     bound0: int | None = None
@@ -165,13 +169,15 @@ class LengthService:
     # -- scheduler-facing API -------------------------------------------------------------------------
     def submit(self, req_id: str, prompt: str, *, app: str | None = None, model: str | None = None,
                stage: str | None = None, max_tokens: int | None = None, generated_text: str = "",
-               generated_tokens: int = 0) -> None:
+               generated_tokens: int = 0, kind: str | None = None, response_format: str | None = None) -> None:
         """Queue a (re-)prediction for ``req_id`` and return at once (never runs the model).
 
         First call: at arrival (``generated_tokens=0``); later calls: with the generated text so far
         and its token count ``generated_tokens`` (the service re-predicts at most every
         ``refine_every`` tokens; in between it only lifts the bound to ``>= generated_tokens + 1``).
-        Until the worker answers, :meth:`latest` returns the running-quantile fallback bound.
+        Until the worker answers, :meth:`latest` returns the running-quantile fallback bound. ``kind``
+        (the SLO kind) and ``response_format`` (OpenAI's ``response_format.type``) are features and
+        calibration groups; only the first submission's values are used.
         Raises ``ValueError`` for negative token counts and ``RuntimeError`` after :meth:`close`.
         """
         if generated_tokens < 0:
@@ -182,7 +188,7 @@ class LengthService:
                 raise RuntimeError("LengthService is closed")
             r = self._reqs.get(req_id)
             if r is None:
-                r = _Req(prompt, app, model, stage, max_tokens)
+                r = _Req(prompt, app, model, stage, max_tokens, kind, response_format)
                 self._reqs[req_id] = r
             r.k = max(r.k, k)
             cur = self._bounds.get(req_id)
@@ -231,7 +237,7 @@ class LengthService:
             if b in seen_buckets or k >= output_len:
                 continue
             seen_buckets.add(b)
-            self.calibrator.update(r.app, r.model, k, bound, output_len)
+            self.calibrator.update(r.app, r.model, k, bound, output_len, kind=r.kind)
         if r.prompt_feats is None:
             # no forest (cold start: the telemetry is what the first model is trained on) or the request
             # finished before the worker reached it: the worker computes the prompt features off this thread
@@ -247,7 +253,10 @@ class LengthService:
         ex = LengthExample(output_len=int(output_len), prompt=r.prompt if self.record_text else None,
                            app=r.app, model=r.model, stage=r.stage, prompt_tokens=r.prompt_tokens,
                            prompt_features=[float(x) for x in r.prompt_feats],
-                           prefix_features={k: v for k, v in r.prefix_feats.items() if k < output_len})
+                           prefix_features={k: v for k, v in r.prefix_feats.items() if k < output_len},
+                           kind=r.kind, max_tokens=r.max_tokens, response_format=r.response_format,
+                           memory_features=([float(x) for x in r.memory_feats] if r.memory_feats is not None
+                                            else None))
         self._write_telemetry(r, ex)
         if self.predictor is not None and self.refit_min_new > 0:
             with self._lock:
@@ -336,16 +345,23 @@ class LengthService:
 
     def _predict_batch(self, predictor: LengthPredictor, live: list[tuple[_Job, _Req]]) -> None:
         self._featurize([r for _, r in live], predictor.counter)
+        stale = [r for _, r in live if r.memory_of != id(predictor)]
+        if stale:
+            for r, m in zip(stale, predictor.memory_features([r.prompt for r in stale]), strict=True):
+                r.memory_feats, r.memory_of = m, id(predictor)
         pf = np.stack([r.prompt_feats for _, r in live])
-        X, ks = predictor.features([r.prompt for _, r in live], [j.generated_text for j, _ in live],
-                                   [{"app": r.app, "model": r.model, "stage": r.stage} for _, r in live],
-                                   generated_tokens=[j.k for j, _ in live], prompt_feats=pf)
-        raw = predictor.predict_matrix(X)
-        n_pre = X.shape[1] - len(predictor.context_encoder.names)
+        mf = np.stack([r.memory_feats for _, r in live])
+        ctx = [{"app": r.app, "kind": r.kind, "model": r.model, "stage": r.stage, "max_tokens": r.max_tokens,
+                "response_format": r.response_format} for _, r in live]
+        X, ks = predictor.features([r.prompt for _, r in live], [j.generated_text for j, _ in live], ctx,
+                                   generated_tokens=[j.k for j, _ in live], prompt_feats=pf, memory_feats=mf)
+        raw, spread = predictor.predict_bounds(X)
         n_prompt = pf.shape[1]
+        n_pre = n_prompt + len(PREFIX_FEATURE_NAMES)
         with self._cv:
-            for (j, r), x, rb in zip(live, X, raw, strict=True):
-                factor = self.calibrator.factor(r.app, r.model, j.k) if self.calibrate else 1.0
+            for (j, r), x, rb, sp in zip(live, X, raw, spread, strict=True):
+                factor = (self.calibrator.factor(r.app, r.model, j.k, kind=r.kind, spread=float(sp))
+                          if self.calibrate else 1.0)
                 b = finalize_bound(float(rb) * factor, max(j.k, r.k), r.max_tokens)
                 r.issued.append((j.k, float(b)))
                 if j.k == 0:
@@ -379,6 +395,7 @@ class LengthService:
         rec = telemetry_record(output_len=ex.output_len, prompt=ex.prompt, prompt_tokens=r.prompt_tokens,
                                prompt_feats=ex.prompt_features, prefix_feats=ex.prefix_features, app=r.app,
                                model=r.model, stage=r.stage, max_tokens=r.max_tokens, bound0=r.bound0,
+                               kind=r.kind, response_format=r.response_format, memory_feats=ex.memory_features,
                                tokenizer=(self.predictor.counter.name if self.predictor else self.counter.name))
         line = json.dumps(rec, separators=(",", ":")) + "\n"
         with self._tel_lock:

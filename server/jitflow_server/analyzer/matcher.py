@@ -254,6 +254,8 @@ class _AppIndex:
     medoid_labels: np.ndarray
     unclustered: np.ndarray
     members: dict[int, np.ndarray] = field(default_factory=dict)
+    #: sorted LLM output lengths per stage index over ``graphs`` (built on first use)
+    stage_pools: dict[int, tuple[int, ...]] | None = None
 
 
 class Matcher:
@@ -354,6 +356,22 @@ class Matcher:
                     return None
                 self._index[app] = self._build(rows)
         return self._index.get(app)
+
+    def stage_outputs(self, app: str, stage: int) -> tuple[int, ...]:
+        """Sorted LLM output lengths (tokens) of stage index ``stage`` over ``app``'s history graphs
+        (``()`` without history). Computed once per index build."""
+        with self._lock:
+            idx = self._app_index(app)
+            if idx is None:
+                return ()
+            if idx.stage_pools is None:
+                pools: dict[int, list[int]] = {}
+                for g in idx.graphs:
+                    for n in g.nodes:
+                        if n.kind == "llm" and n.output_len:
+                            pools.setdefault(n.stage, []).append(int(n.output_len))
+                idx.stage_pools = {k: tuple(sorted(v)) for k, v in pools.items()}
+            return idx.stage_pools.get(int(stage), ())
 
     # ------------------------------------------------------------------ matching
     def match(

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 
+from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.state import ServerState
 from jitflow_server.engine.protocol import GenerateRequest, TokenDelta
@@ -27,11 +28,16 @@ class LiveCall:
     """One engine request in flight (times unix s, lengths tokens).
 
     ``len_bound`` is the bound the engine was given and ``bound_source`` where it came from (see
-    ``analyzer.advisor.resolve_len_bound``); only predictor bounds are refined while the call runs.
+    ``analyzer.advisor.resolve_len_bound``). Predictor and ``max_tokens`` bounds are refined by the
+    length service; a ``pattern`` bound of a compound call from its ``stage_samples`` (the matched
+    graphs' past lengths of the stage at position ``stage_pos``, calibrated per app and stage), every
+    ``refine_every`` generated tokens (JITServe §4.1).
     """
 
     def __init__(self, state: ServerState, request: GenerateRequest, timing: RequestTiming,
-                 waiting_time: float | None, *, prompt_text: str, len_bound: int, bound_source: str) -> None:
+                 waiting_time: float | None, *, prompt_text: str, len_bound: int, bound_source: str,
+                 app: str | None = None, stage_samples: StageLengthSamples | None = None,
+                 stage_pos: int = 0) -> None:
         self.state = state
         self.request = request
         self.rid = request.request_id
@@ -40,6 +46,11 @@ class LiveCall:
         self.prompt_text = prompt_text
         self.len_bound = len_bound
         self.bound_source = bound_source
+        self.app = app
+        self.stage_samples = stage_samples
+        self.stage_pos = stage_pos
+        #: (generated tokens, bound) of every pattern bound issued, the first at 0 (calibrator input)
+        self.stage_issued: list[tuple[int, int]] = [(0, len_bound)] if stage_samples is not None else []
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.finished = False
         self.finish_reason: str | None = None
@@ -50,6 +61,11 @@ class LiveCall:
     def bound_refinable(self) -> bool:
         """True when the predictor may refine this call's length bound."""
         return self.bound_source in ("predictor", "max_tokens")
+
+    @property
+    def stage_bound(self) -> int | None:
+        """The latest pattern bound (tokens) of a compound call refined from its stage samples, else ``None``."""
+        return self.stage_issued[-1][1] if self.stage_samples is not None and self.stage_issued else None
 
     def clamp_bound(self, bound: int) -> int:
         """``bound`` within ``[1, max_tokens]``."""
@@ -122,8 +138,17 @@ class LiveCall:
         """Ask the length predictor for a refined bound every ``refine_every`` tokens (JITServe §4.1)."""
         svc = self.state.length
         n = len(self.timing.token_times)
-        if (svc is None or not self.bound_refinable or finished
-                or n // svc.refine_every <= before // svc.refine_every):
+        every = svc.refine_every if svc is not None else 50
+        if finished or n // every <= before // every:
+            return
+        if self.stage_samples is not None and self.state.tasks is not None:
+            raw = self.stage_samples.bound(n)
+            b = self.state.tasks.advisor.stage_calibrator.apply(self.app, self.stage_pos, n,
+                                                                raw if raw is not None else self.request.max_tokens)
+            self.stage_issued.append((n, self.clamp_bound(max(b, min(n + 1, self.request.max_tokens)))))
+            self.state.bounds_changed()
+            return
+        if svc is None or not self.bound_refinable:
             return
         svc.submit(self.rid, self.prompt_text, model=self.state.model_name, max_tokens=self.request.max_tokens,
                    generated_text="".join(self.text), generated_tokens=n)

@@ -93,6 +93,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
     hints = dict(kind=slo.kind, request_id=rid, arrival=arrival, ttft=slo.ttft, tbt=slo.tbt,
                  deadline=slo.deadline, waiting_time=waiting_time)
     pattern_bound = None
+    advice = None
     app_name = None
     if state.tasks is not None and task_ctx is not None:
         advice = state.tasks.advise_call(task_ctx, body.model, rid, len(prompt_ids), max_tokens, timing)
@@ -105,9 +106,12 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
                      task_tokens_est=advice.task_tokens_est, task_rem_gen_time=advice.task_rem_gen_time)
     exact = bool(body.ignore_eos)
     predicted = None
+    fmt = None
     if state.length is not None and not exact:
+        fmt = body.response_format.get("type") if isinstance(body.response_format, dict) else None
         state.length.submit(rid, prompt_text, app=app_name, model=state.model_name,
-                            stage=task_ctx.stage if task_ctx else None, max_tokens=max_tokens)
+                            stage=task_ctx.stage if task_ctx else None, max_tokens=max_tokens,
+                            kind=str(hints["kind"]), response_format=fmt)
         predicted = state.length.latest(rid)  # provisional (fallback) bound; refined asynchronously
     len_bound, source = resolve_len_bound(max_tokens, exact=exact, pattern=pattern_bound, predicted=predicted)
     timing.len_bound = len_bound
@@ -123,7 +127,9 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
         trace_headers={k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")} or None,
     )
     call = LiveCall(state, gen, timing, waiting_time, prompt_text=prompt_text, len_bound=len_bound,
-                    bound_source=source)
+                    bound_source=source, app=app_name,
+                    stage_samples=advice.len_samples if advice is not None and source == "pattern" else None,
+                    stage_pos=advice.stage_pos if advice is not None else 0)
     try:
         call.start()
     except InvalidRequestError as exc:
@@ -179,6 +185,9 @@ class _Finisher:
                 state.length.observe(call.rid, len(timing.token_times))
             else:
                 state.length.discard(call.rid)
+        if ok and call.stage_samples is not None and state.tasks is not None:
+            state.tasks.advisor.stage_calibrator.observe(call.app, call.stage_pos, call.stage_issued,
+                                                         len(timing.token_times))
         if not ok:
             outcome = "aborted"
         elif summary["slo_met"] is None:

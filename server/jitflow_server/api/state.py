@@ -83,12 +83,16 @@ class ServerState:
         self._pushed.pop(request_id, None)
 
     def refined_bounds(self) -> dict[str, int]:
-        """Length bounds of in-flight calls that the predictor refined since they were last pushed."""
-        if self.length is None:
-            return {}
+        """Length bounds of in-flight calls refined since they were last pushed: by the predictor, or from
+        a compound call's stage samples."""
         upd: dict[str, int] = {}
         for rid, call in list(self.live.items()):
-            if not call.bound_refinable:
+            sb = call.stage_bound
+            if sb is not None:
+                if self._pushed.get(rid, call.len_bound) != sb:
+                    upd[rid] = sb
+                continue
+            if self.length is None or not call.bound_refinable:
                 continue
             b = self.length.latest(rid)
             if b is not None:

@@ -39,6 +39,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
+from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, TokenTimeModel
 from jitflow_server.api.schemas import APIError
 from jitflow_server.scheduler.types import Kind, SLOSpec
@@ -87,8 +88,10 @@ class CallAdvice:
 
     ``slo``: the call's SLO (kind compound, the time left until the task deadline); ``sub_deadline``:
     the stage's absolute sub-deadline; ``task_tokens_est``/``task_rem_gen_time``: task estimates of
-    the matched graph (``None``/fallback without a match); ``len_bound``: the matched stage's length
-    bound capped at ``max_tokens`` (``None`` without a match).
+    the matched graph (``None``/fallback without a match); ``len_bound``: the matched stages' length
+    bound, calibrated and capped at ``max_tokens`` (``None`` without a match); ``len_samples``: what the
+    bound is refined from while the call runs (``None`` without a match); ``stage_pos``: the stage's
+    position among the task's stages (the key of the stage calibrator).
     """
 
     slo: SLOSpec
@@ -99,6 +102,8 @@ class CallAdvice:
     task_tokens_est: int | None
     task_rem_gen_time: float
     len_bound: int | None
+    len_samples: StageLengthSamples | None = None
+    stage_pos: int = 0
 
 
 def _with_client_start(body: TaskCreate) -> dict[str, Any]:
@@ -347,10 +352,13 @@ class TaskManager:
         t.matched = advice.matched
         remaining = max(1e-3, t.t0 + t.deadline - now)
         slo = SLOSpec(Kind.COMPOUND, None, None, remaining, timing.slo.waiting_time)
-        bound = min(max_tokens, advice.len_bound) if advice.len_bound is not None else None
+        bound = None
+        if advice.len_bound is not None:
+            bound = min(max_tokens, self.advisor.stage_calibrator.apply(t.app, stage_pos, 0, advice.len_bound))
         return CallAdvice(slo=slo, app=t.app, task_id=t.task_id, stage_index=s, sub_deadline=advice.sub_deadline,
                           task_tokens_est=advice.task_tokens_est if advice.matched else None,
-                          task_rem_gen_time=advice.task_rem_gen_time, len_bound=bound)
+                          task_rem_gen_time=advice.task_rem_gen_time, len_bound=bound,
+                          len_samples=advice.len_samples if bound is not None else None, stage_pos=stage_pos)
 
     def on_call_end(self, ctx, rid: str, timing, ok: bool) -> None:
         """Record the finished call's lengths and times in the task's graph."""

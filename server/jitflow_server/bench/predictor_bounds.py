@@ -31,12 +31,15 @@ general: the q-quantile of a length known to exceed g grows with g, so refinemen
 under-estimates of long calls.
 
 Compound calls have no prompt text; their bound follows ``analyzer.advisor.resolve_len_bound``: the
-matched pattern's stage bound (``StageAdvice.len_bound``, recorded by :meth:`PredictorBounder.wrap_advisor`
-when the simulator asks the compound advisor at the stage start; from the first frame on) > the
-q-quantile of the *history* outputs of the same (app, stage) longer than ``g`` (``history_tasks``, never
-the workload; a stand-in for the predictor, which needs the prompt, refined every 50 tokens as the
-server's running-quantile fallback) > ``max_tokens`` (1024, the deep-research trace's cap). As on the
-server, a pattern bound is not refined: once a call passes it, its bound is ``g + 1``.
+matched pattern graphs' stage bound (``StageAdvice.len_samples``, recorded by
+:meth:`PredictorBounder.wrap_advisor` when the simulator asks the compound advisor at the stage start;
+from the first frame on), refined every 50 tokens as on the server (the q-quantile of the neighbours'
+same-stage lengths above ``g``, ``analyzer/stage_length.py``; the server also applies its online stage
+calibrator, which the simulator leaves out: uncalibrated, these bounds cover 0.90-0.93 of the
+deep-research calls) > the q-quantile of the *history* outputs of the same (app, stage) longer than ``g``
+(``history_tasks``, never the workload; a stand-in for the predictor, which needs the prompt, refined
+every 50 tokens as the server's running-quantile fallback) > ``max_tokens`` (1024, the deep-research
+trace's cap).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from jitflow_server.analyzer.length_calibration import (
 )
 from jitflow_server.analyzer.length_data import load_examples
 from jitflow_server.analyzer.length_features import FEATURE_VERSION, prompt_features
+from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.analyzer.tokens import TokenCounter
 from jitflow_server.bench.workload import DataSources, default_data_dir, history_tasks
 from jitflow_server.engine.jobs import CallSpec, Job
@@ -215,8 +219,10 @@ class PredictorSource:
         ctx = [{"app": None, "model": self.items[n].model, "stage": None} for n in rows_p]
         X, _ = predictor.features([self.items[n].prompt for n in rows_p], texts, ctx, generated_tokens=ks,
                                   prompt_feats=pf[rows_p])
-        raw = predictor.predict_matrix(X)
+        raw, spread = predictor.predict_bounds(X)
         self.raw: list[np.ndarray] = np.split(raw, np.cumsum(owner)[:-1])
+        #: the forest's spread log(bound / median) per raw bound: the unit of the calibrator's offsets
+        self.spread: list[np.ndarray] = np.split(spread, np.cumsum(owner)[:-1])
         self.build_s = time.perf_counter() - t0
 
     def calibrated_table(self, mapping: Mapping[str, HeldOutPrompt], jobs: Sequence[Job], decode_s: float,
@@ -227,6 +233,7 @@ class PredictorSource:
         q = self.predictor.quantile
         cal = OnlineCalibrator(q, step=step)
         events: list[tuple[float, int, str, int]] = []  # (time, 0 = finish / 1 = issue, call id, grid index)
+        kind_of: dict[str, str] = {}
         for job in jobs:
             if job.kind not in SINGLE_KINDS:
                 continue
@@ -236,6 +243,7 @@ class PredictorSource:
                     it = mapping.get(cid)
                     if it is None:
                         continue
+                    kind_of[cid] = str(job.kind)
                     t = job.arrival + c.input_len * prefill_s
                     events += [(t + i * self.grid * decode_s, 1, cid, i) for i in range(len(self.raw[it.item]))]
                     events.append((t + it.output_len * decode_s, 0, cid, -1))
@@ -247,7 +255,8 @@ class PredictorSource:
             it = mapping[cid]
             if kind == 1:
                 k = i * self.grid
-                fac = cal.factor(None, it.model, k) if calibrate else 1.0
+                fac = (cal.factor(None, it.model, k, kind=kind_of.get(cid), spread=float(self.spread[it.item][i]))
+                       if calibrate else 1.0)
                 b = finalize_bound(float(self.raw[it.item][i]) * fac, k, None)
                 table[cid][i] = b
                 issued.setdefault(cid, []).append((k, b))
@@ -257,7 +266,7 @@ class PredictorSource:
                     bucket = calibration_bucket(k)
                     if bucket not in seen and k < it.output_len:
                         seen.add(bucket)
-                        cal.update(None, it.model, k, b, it.output_len)
+                        cal.update(None, it.model, k, b, it.output_len, kind=kind_of.get(cid))
         return table
 
 
@@ -298,9 +307,9 @@ class HistoryQuantiles:
 
 
 class _RecordingAdvisor:
-    """The compound advisor as the simulator calls it, recording each stage's pattern length bound."""
+    """The compound advisor as the simulator calls it, recording each stage's pattern length samples."""
 
-    def __init__(self, inner: Any, sink: dict[tuple[str, int], int | None]) -> None:
+    def __init__(self, inner: Any, sink: dict[tuple[str, int], StageLengthSamples | None]) -> None:
         self.inner, self.sink = inner, sink
 
     @property
@@ -309,9 +318,9 @@ class _RecordingAdvisor:
         return self.inner.match_ms
 
     def stage_info(self, job: Job, s: int, t0: float) -> Any:
-        """The wrapped advisor's advice for stage ``s`` of ``job``; its ``len_bound`` is recorded."""
+        """The wrapped advisor's advice for stage ``s`` of ``job``; its ``len_samples`` are recorded."""
         info = self.inner.stage_info(job, s, t0)
-        self.sink[(job.job_id, s)] = getattr(info, "len_bound", None)
+        self.sink[(job.job_id, s)] = getattr(info, "len_samples", None)
         return info
 
 
@@ -329,7 +338,7 @@ class PredictorBounder:
                  grid: int = REFINE_EVERY, compound_max_tokens: int = COMPOUND_MAX_TOKENS) -> None:
         self.table, self.history = table, history
         self.refine_every, self.grid, self.max_tokens = int(refine_every), int(grid), int(compound_max_tokens)
-        self.pattern: dict[tuple[str, int], int | None] = {}
+        self.pattern: dict[tuple[str, int], StageLengthSamples | None] = {}
 
     def wrap_advisor(self, advisor: Any) -> Any:
         """``advisor`` (a ``StageAdvisor``) wrapped to record pattern bounds for this bounder; ``None`` stays ``None``."""
@@ -350,7 +359,8 @@ class PredictorBounder:
         pat = None
         if cid is not None:
             job_id, _, _ = cid.rsplit(".", 2)
-            pat = self.pattern.get((job_id, int(stage)))
+            samples = self.pattern.get((job_id, int(stage)))
+            pat = samples.bound(g_issue) if samples is not None else None
         b, _ = resolve_len_bound(self.max_tokens, pattern=pat, predicted=self.history.bound(app, int(stage), g_issue),
                                  generated=generated)
         return max(b, generated + 1)
