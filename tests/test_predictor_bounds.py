@@ -177,3 +177,19 @@ def test_workloads_that_differ_only_in_their_slos_get_their_own_attachment(sourc
     assert a is not b
     assert [j.deadline for j in a.jobs] == [j.deadline for j in tight]
     assert [j.deadline for j in b.jobs] == [j.deadline for j in loose]
+
+
+def test_bound_quality_scores_the_bounds_a_run_serves(source, builtin_data):
+    from jitflow_server.bench.estimates import CompoundAnalyzer
+
+    jobs = make_workload(60, 3.0, data=builtin_data, seed=5)
+    prep = pb.prepare_predictor_run(jobs, builtin_data, seed=5, decode_s=DECODE_S, prefill_s=PREFILL_S)
+    q = pb.bound_quality(prep, CompoundAnalyzer("pattern", builtin_data, DECODE_S, PREFILL_S), ks=(0, 100))
+    assert {"single", "compound"} <= set(q)
+    for group in q.values():
+        for s in group.values():
+            assert s["n"] > 0 and 0.0 <= s["coverage"] <= 1.0 and s["p90_ratio"] >= s["median_ratio"] > 0
+    # every compound call is counted once at k = 0, split by where its bound came from
+    n_compound = sum(len(c) for j in prep.jobs if j.kind not in pb.SINGLE_KINDS for c in j.stages)
+    assert q["compound"]["0"]["n"] == n_compound
+    assert sum(q.get(g, {}).get("0", {}).get("n", 0) for g in ("compound_pattern", "compound_quantile")) == n_compound

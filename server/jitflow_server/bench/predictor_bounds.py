@@ -459,15 +459,16 @@ def bound_quality(prep: PreparedRun, advisor: Any, ks: Sequence[int] = (0, 400))
         for s, calls in enumerate(job.stages):
             if job.kind not in SINGLE_KINDS and an is not None:
                 an.stage_info(job, s, job.arrival)
-            for c in calls:
+            for j, c in enumerate(calls):
                 cls = (job.kind, job.app, s)
+                rid = f"{job.job_id}.{s}.{j}"
                 groups = ["single"] if job.kind in SINGLE_KINDS else [
                     "compound", "compound_pattern" if b.pattern.get((job.job_id, s)) is not None else "compound_quantile"]
                 for k in ks:
                     if int(c.output_len) > k:
                         for gname in groups:
                             rows.setdefault(gname, {}).setdefault(k, []).append(
-                                (int(c.output_len), b.bound(c.output_len, k, 0.0, cls)))
+                                (int(c.output_len), b.bound(c.output_len, k, 0.0, cls, rid)))
     out: dict[str, dict[str, dict]] = {}
     for gname, by_k in rows.items():
         out[gname] = {}
