@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jitflow_server.api.admin import register_admin_routes
+from jitflow_server.api.limits import BodySizeLimit
 from jitflow_server.api.schemas import APIError, ChatCompletionRequest, CompletionRequest
 from jitflow_server.api.serving import serve_request
 from jitflow_server.api.state import ServerSettings, ServerState
@@ -92,6 +93,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
                 engine.shutdown()
 
     app = FastAPI(title="jitflow", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.state.jitflow = state
     register_task_routes(app, state)
     register_admin_routes(app, state)

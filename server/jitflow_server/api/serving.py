@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from jitflow_server.analyzer.advisor import resolve_len_bound
 from jitflow_server.api.calls import LiveCall
+from jitflow_server.api.limits import check_json_schema
 from jitflow_server.api.schemas import SLO, APIError
 from jitflow_server.api.state import ServerState
 from jitflow_server.api.tracing import end_request_span, start_request_span
@@ -33,8 +34,10 @@ def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-def structured_output(response_format: dict[str, Any] | None) -> StructuredOutput | None:
-    """The constrained-decoding spec of an OpenAI ``response_format``. Raises ``APIError(400)``."""
+def structured_output(response_format: dict[str, Any] | None, max_tokens: int) -> StructuredOutput | None:
+    """The constrained-decoding spec of an OpenAI ``response_format`` for a request of ``max_tokens``
+    output tokens. Raises ``APIError(400)`` naming the field, for an unknown type or a schema outside the
+    limits of ``api/limits.py``."""
     if not response_format:
         return None
     t = response_format.get("type")
@@ -47,6 +50,7 @@ def structured_output(response_format: dict[str, Any] | None) -> StructuredOutpu
         if not isinstance(schema, dict):
             raise APIError(400, "response_format.json_schema.schema must be an object",
                            param="response_format.json_schema.schema")
+        check_json_schema(schema, max_tokens)
         return StructuredOutput(schema=schema)
     raise APIError(400, f"unsupported response_format.type {t!r}", param="response_format.type")
 
@@ -123,7 +127,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
         request_id=rid, prompt_token_ids=prompt_ids, max_tokens=max_tokens, hints=sched_hints,
         temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop,
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-        structured=structured_output(body.response_format),
+        structured=structured_output(body.response_format, max_tokens),
         trace_headers={k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")} or None,
     )
     call = LiveCall(state, gen, timing, waiting_time, prompt_text=prompt_text, len_bound=len_bound,

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from jitflow_server.api.limits import DEFAULT_MAX_BODY_BYTES
 from jitflow_server.engine.protocol import Engine
 from jitflow_server.scheduler.hints import HintUpdate
 from jitflow_server.tracker.metrics import ServerMetrics
@@ -33,7 +34,8 @@ class ServerSettings:
     rejected); ``default_max_tokens``: output cap when a request gives none (tokens);
     ``length_predictor``: run the output-length predictor (QRF, JITServe §4.1); ``bound_push_period``:
     the longest a refined length bound waits before it is sent to the engine (s; it is sent at once
-    when the predictor publishes it).
+    when the predictor publishes it); ``max_body_bytes``: the largest request body (bytes; larger ones
+    get 413 before they are parsed, ``api/limits.py``).
     """
 
     default_waiting_time: float = 5.0
@@ -41,6 +43,7 @@ class ServerSettings:
     best_effort_waiting_time: float | None = None
     length_predictor: bool = True
     bound_push_period: float = 0.1
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 class ServerState:

@@ -1,0 +1,83 @@
+"""Request limits: hostile JSON schemas and oversized bodies get a clear 4xx before reaching the engine.
+A real HTTP server on 127.0.0.1 around the FakeEngine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from jitflow_server.api.limits import MAX_SCHEMA_COUNT, MAX_SCHEMA_DEPTH, check_json_schema
+from jitflow_server.api.schemas import APIError
+from jitflow_server.api.state import ServerSettings
+from jitflow_server.engine.fake import FakeEngine
+from test_api_fake_engine import MSG, serve
+
+
+@pytest.fixture()
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITFLOW_HISTORY_DB", str(tmp_path / "history.db"))
+    monkeypatch.delenv("JITFLOW_PATTERNS", raising=False)
+    monkeypatch.delenv("JITFLOW_LENGTH_TELEMETRY", raising=False)
+    return tmp_path
+
+
+def _refused(schema: dict, max_tokens: int = 256) -> APIError:
+    with pytest.raises(APIError) as ei:
+        check_json_schema(schema, max_tokens)
+    assert ei.value.status == 400
+    return ei.value
+
+
+def test_schema_limits_name_the_offending_field() -> None:
+    err = _refused({"type": "array", "minItems": 100_000_000})
+    assert err.param == "response_format.json_schema.schema.minItems" and str(MAX_SCHEMA_COUNT) in err.message
+    err = _refused({"type": "object", "properties": {"a": {"type": "array", "minItems": 300}}}, max_tokens=256)
+    assert err.param == "response_format.json_schema.schema.properties.a.minItems" and "max_tokens" in err.message
+    check_json_schema({"type": "string", "minLength": 300}, 256)  # a token may hold several characters
+    deep: dict = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        deep = {"type": "array", "items": deep}
+    assert "deeper" in _refused(deep).message
+    assert "bytes" in _refused({"enum": ["x" * 70_000]}).message
+    assert "objects and arrays" in _refused({"anyOf": [{}] * 5000}).message
+    # an ordinary schema, and a generous upper bound, pass
+    check_json_schema({"type": "object", "properties": {"tags": {"type": "array", "maxItems": 50,
+                                                                 "items": {"type": "string", "maxLength": 40}}}},
+                      256)
+
+
+def test_hostile_schema_is_refused_before_the_engine(env) -> None:
+    eng = FakeEngine(eos_after=3)
+    with serve(eng) as (url, _):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 10**8}}}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, "max_tokens": 16,
+                                                           "response_format": fmt}, timeout=30)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "response_format.json_schema.schema.minItems" and err["type"] == "invalid_request_error"
+        assert not eng.requests  # nothing reached the engine
+        ok = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, "max_tokens": 8},
+                        timeout=30)
+        assert ok.status_code == 200
+
+
+def test_oversized_body_gets_413_and_the_server_stays_responsive(env) -> None:
+    eng = FakeEngine(eos_after=3)
+    with serve(eng, ServerSettings(max_body_bytes=4096)) as (url, _):
+        big = {"model": "fake", "messages": [{"role": "user", "content": "x" * 10_000}]}
+        r = httpx.post(url + "/v1/chat/completions", json=big, timeout=30)
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "request_too_large" and r.json()["error"]["param"] is None
+
+        def chunks():  # no Content-Length: the limit applies while the body streams in
+            for _ in range(10):
+                yield b"x" * 1000
+
+        r = httpx.post(url + "/v1/chat/completions", content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        small = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, "max_tokens": 4},
+                           timeout=30)
+        assert small.status_code == 200
+        assert not any(len(q.prompt_token_ids) > 1000 for q in eng.requests.values())
