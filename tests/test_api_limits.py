@@ -81,3 +81,47 @@ def test_oversized_body_gets_413_and_the_server_stays_responsive(env) -> None:
                            timeout=30)
         assert small.status_code == 200
         assert not any(len(q.prompt_token_ids) > 1000 for q in eng.requests.values())
+
+
+@pytest.mark.parametrize(("event", "param"), [
+    ({"type": "llm", "call_id": "c", "input_tokens": 2**80}, "events[0].input_tokens"),
+    ({"type": "llm", "call_id": "c", "output_tokens": -1}, "events[0].output_tokens"),
+    ({"type": "stage_start", "stage_index": 0, "time": float("nan")}, "events[0].time"),
+    ({"type": "tool", "call_id": "c", "start": "inf"}, "events[0].start"),
+    ({"type": "llm", "stage_index": 10**9}, "events[0].stage_index"),
+    ({"type": "walk", "stage_index": 0}, "events[0]"),
+    ({"type": "llm", "call_id": "c", "parents": ["c"]}, "events[0].parents"),
+])
+def test_hostile_task_events_get_400_naming_the_field_and_leave_the_task_usable(env, event, param) -> None:
+    eng = FakeEngine(eos_after=3)
+    with serve(eng) as (url, _):
+        assert httpx.post(url + "/v1/tasks", json={"task_id": "t", "app": "a", "deadline": 30}).status_code == 201
+        good = {"type": "llm", "call_id": "ok", "model": "m", "input_tokens": 10, "output_tokens": 5}
+        r = httpx.post(url + "/v1/tasks/t/events", content=_json({"events": [event, good]}),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        # nothing of the refused batch was applied; the task still reads and completes
+        assert httpx.get(url + "/v1/tasks/t", timeout=30).status_code == 200
+        assert httpx.post(url + "/v1/tasks/t/events", json={"events": [good]}, timeout=30).json()["applied"] == 1
+        done = httpx.post(url + "/v1/tasks/t/complete", json={"outcome": "succeeded"}, timeout=30)
+        assert done.status_code == 200, done.text
+
+
+def _json(obj) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()  # allows NaN, as a hostile client would send it
+
+
+def test_a_dependency_cycle_between_calls_does_not_break_the_task(env) -> None:
+    eng = FakeEngine(eos_after=3)
+    with serve(eng) as (url, _):
+        assert httpx.post(url + "/v1/tasks", json={"task_id": "t", "app": "a", "deadline": 30}).status_code == 201
+        cyc = [{"type": "llm", "call_id": "a", "parents": ["b"], "output_tokens": 3},
+               {"type": "llm", "call_id": "b", "parents": ["a"], "output_tokens": 4}]
+        r = httpx.post(url + "/v1/tasks/t/events", json={"events": cyc}, timeout=30)
+        assert r.status_code in (200, 400), r.text
+        assert httpx.get(url + "/v1/tasks/t", timeout=30).status_code == 200
+        assert httpx.post(url + "/v1/tasks/t/complete", json={"outcome": "succeeded"}, timeout=30).status_code == 200
+        assert httpx.get(url + "/v1/tasks/t", timeout=30).status_code == 200

@@ -37,14 +37,31 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+#: Discriminator tags of the task-event union (dropped from error paths).
+EVENT_TAGS = ("llm", "tool", "stage_start", "stage_end")
+
+
 def _validation_to_api_error(exc: RequestValidationError) -> APIError:
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # Drop pydantic's union/literal branch tags so the param is the field path.
-    loc = [x for x in loc if not x.startswith(("function-", "constrained-", "literal["))
-           and x not in ("str", "int", "float", "list[int]", "list[dict[str,any]]")]
-    param = ".".join(loc) or None
+    raw = [x for x in first.get("loc", ()) if x != "body"]
+    # Drop pydantic's union/literal branch tags (and a discriminated union's tag after a list index) so the
+    # param is the field path, with list indexes as ``[i]``: ``events[0].input_tokens``.
+    parts: list[str] = []
+    prev_index = False
+    for x in raw:
+        if isinstance(x, int):
+            parts.append(f"[{x}]")
+            prev_index = True
+            continue
+        x = str(x)
+        if x.startswith(("function-", "constrained-", "literal[")) or x in (
+                "str", "int", "float", "list[int]", "list[dict[str,any]]") or (prev_index and x in EVENT_TAGS):
+            prev_index = False
+            continue
+        parts.append(("." if parts else "") + x)
+        prev_index = False
+    param = "".join(parts) or None
     msg = first.get("msg", "invalid value")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 

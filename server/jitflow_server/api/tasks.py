@@ -33,7 +33,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -68,10 +68,62 @@ class TaskCreate(BaseModel):
         return v
 
 
-class TaskEvents(BaseModel):
-    """``POST /v1/tasks/{id}/events`` body."""
+#: Largest token count one telemetry event may report.
+MAX_EVENT_TOKENS = 10_000_000
+#: Highest stage index of a task.
+MAX_STAGE_INDEX = 10_000
+_Name = Annotated[str, Field(min_length=1, max_length=200)]
 
-    events: list[dict[str, Any]] = Field(max_length=10_000)
+
+def _finite_time(v: float | None) -> float | None:
+    if v is not None and not math.isfinite(v):
+        raise ValueError("must be a finite number of seconds")
+    return v
+
+
+class _EventBase(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    stage_index: int = Field(0, ge=0, le=MAX_STAGE_INDEX)
+    stage: str | None = Field(None, max_length=200)
+
+
+class StageEvent(_EventBase):
+    """A stage boundary: ``{"type": "stage_start"|"stage_end", "stage_index", "stage", "time"}`` (unix s)."""
+
+    type: Literal["stage_start", "stage_end"]
+    time: float | None = None
+
+    _t = field_validator("time")(_finite_time)
+
+
+class CallEvent(_EventBase):
+    """A finished call: ``{"type": "llm"|"tool", "call_id", "model"|"name", "stage_index", "stage",
+    "parents", "start", "end", "error", "input_tokens", "output_tokens"}`` (unix s, tokens)."""
+
+    type: Literal["llm", "tool"]
+    call_id: _Name | None = None
+    name: _Name | None = None
+    model: _Name | None = None
+    parents: list[_Name] = Field(default_factory=list, max_length=256)
+    start: float | None = None
+    end: float | None = None
+    error: str | None = Field(None, max_length=2000)
+    input_tokens: int | None = Field(None, ge=0, le=MAX_EVENT_TOKENS)
+    output_tokens: int | None = Field(None, ge=0, le=MAX_EVENT_TOKENS)
+
+    _t = field_validator("start", "end")(_finite_time)
+
+
+TaskEvent = Annotated[StageEvent | CallEvent, Field(discriminator="type")]
+
+
+class TaskEvents(BaseModel):
+    """``POST /v1/tasks/{id}/events`` body: at most 10 000 typed events (:class:`StageEvent`,
+    :class:`CallEvent`); token counts are bounded by :data:`MAX_EVENT_TOKENS`, stage indexes by
+    :data:`MAX_STAGE_INDEX`, times must be finite."""
+
+    events: list[TaskEvent] = Field(max_length=10_000)
 
 
 class TaskComplete(BaseModel):
@@ -240,42 +292,34 @@ class TaskManager:
             raise APIError(404, f"task {task_id!r} not found", param="task_id", type="not_found_error")
         return t
 
-    def events(self, task_id: str, events: list[dict[str, Any]]) -> int:
-        """Apply SDK events (stage_start/stage_end/tool/llm); returns how many were applied."""
+    def events(self, task_id: str, events: list[StageEvent | CallEvent]) -> int:
+        """Apply SDK events (stage_start/stage_end/tool/llm); returns how many were applied. A call may not
+        name itself as a parent (``APIError(400)``, param ``events[i].parents``)."""
         t = self.get(task_id)
-        n = 0
         for i, ev in enumerate(events):
-            typ = ev.get("type")
-            try:
-                s = int(ev.get("stage_index", 0))
-            except (TypeError, ValueError):
-                raise APIError(400, f"events[{i}].stage_index must be an integer",
-                               param=f"events[{i}].stage_index") from None
-            if ev.get("stage"):
-                t.stage_names.setdefault(s, str(ev["stage"]))
-            if typ in ("stage_start", "stage_end"):
-                key = "stage_start" if typ == "stage_start" else "stage_end"
-                if ev.get("time") is not None:
-                    t.stage_times.setdefault(s, {})[key] = float(ev["time"])
-            elif typ in ("tool", "llm"):
-                cid = str(ev.get("call_id") or f"{typ}-{len(t.nodes)}")
-                node = t.nodes.get(cid) or _Node(cid, typ, str(ev.get("name") or ev.get("model") or typ), s,
-                                                 [str(p) for p in ev.get("parents") or []])
-                node.start = _num(ev.get("start"), node.start)
-                node.end = _num(ev.get("end"), node.end)
-                node.error = ev.get("error") or node.error
-                if typ == "llm":
-                    node.input_len = int(ev.get("input_tokens") or node.input_len or 0)
-                    if ev.get("output_tokens") is not None:
-                        node.output_len = int(ev["output_tokens"])
-                else:
-                    node.output_len = 0
-                t.nodes[cid] = node
+            if isinstance(ev, CallEvent) and ev.call_id is not None and ev.call_id in ev.parents:
+                raise APIError(400, f"events[{i}]: a call cannot be its own parent", param=f"events[{i}].parents")
+        for ev in events:
+            s = ev.stage_index
+            if ev.stage:
+                t.stage_names.setdefault(s, ev.stage)
+            if isinstance(ev, StageEvent):
+                if ev.time is not None:
+                    t.stage_times.setdefault(s, {})[ev.type] = ev.time
+                continue
+            cid = ev.call_id or f"{ev.type}-{len(t.nodes)}"
+            node = t.nodes.get(cid) or _Node(cid, ev.type, ev.name or ev.model or ev.type, s, list(ev.parents))
+            node.start = ev.start if ev.start is not None else node.start
+            node.end = ev.end if ev.end is not None else node.end
+            node.error = ev.error or node.error
+            if ev.type == "llm":
+                node.input_len = ev.input_tokens or node.input_len or 0
+                if ev.output_tokens is not None:
+                    node.output_len = ev.output_tokens
             else:
-                raise APIError(400, f"events[{i}].type must be one of stage_start, stage_end, tool, llm",
-                               param=f"events[{i}].type")
-            n += 1
-        return n
+                node.output_len = 0
+            t.nodes[cid] = node
+        return len(events)
 
     def complete(self, task_id: str, body: TaskComplete) -> TaskState:
         """Record the outcome and store the finished pattern graph in the history store."""
@@ -298,7 +342,7 @@ class TaskManager:
 
     # --------------------------------------------------------------- matching
     def _graph(self, t: TaskState, final: bool = False):
-        from jitflow_server.store.graph import CallNode, PatternGraph
+        from jitflow_server.store.graph import CallNode, PatternFormatError, PatternGraph
 
         calls = []
         for n in t.nodes.values():
@@ -317,8 +361,12 @@ class TaskManager:
         for c in calls:
             c.stage = remap[c.stage]
         names = [t.stage_names.get(s, "") for s in order]
-        return PatternGraph.from_calls(t.app, calls, stage_names=names,
-                                       outcome=t.outcome if final else None, task_id=t.task_id)
+        try:
+            return PatternGraph.from_calls(t.app, calls, stage_names=names,
+                                           outcome=t.outcome if final else None, task_id=t.task_id)
+        except PatternFormatError as exc:  # e.g. a dependency cycle the client reported: not a pattern
+            logger.warning("task %s has no valid pattern graph: %s", t.task_id, exc)
+            return None
 
     def advise_call(self, ctx, model: str, rid: str, prompt_tokens: int, max_tokens: int,
                     timing) -> CallAdvice:
