@@ -125,3 +125,32 @@ def test_a_dependency_cycle_between_calls_does_not_break_the_task(env) -> None:
         assert httpx.get(url + "/v1/tasks/t", timeout=30).status_code == 200
         assert httpx.post(url + "/v1/tasks/t/complete", json={"outcome": "succeeded"}, timeout=30).status_code == 200
         assert httpx.get(url + "/v1/tasks/t", timeout=30).status_code == 200
+
+
+def test_task_table_and_task_sizes_are_bounded(env, monkeypatch) -> None:
+    from jitflow_server.api import tasks as tasks_mod
+
+    monkeypatch.setattr(tasks_mod, "MAX_TASK_CALLS", 5)
+    eng = FakeEngine(eos_after=3)
+    with serve(eng) as (url, state):
+        big = {"task_id": "m", "app": "a", "deadline": 30, "metadata": {"blob": "x" * 20_000}}
+        r = httpx.post(url + "/v1/tasks", json=big, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
+        r = httpx.post(url + "/v1/tasks", content=_json({"task_id": "s", "app": "a", "deadline": 30,
+                                                         "start_time": float("nan")}),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "start_time"
+        assert httpx.post(url + "/v1/tasks", json={"task_id": "t", "app": "a", "deadline": 30}).status_code == 201
+        calls = [{"type": "llm", "call_id": f"c{i}", "output_tokens": 1} for i in range(6)]
+        r = httpx.post(url + "/v1/tasks/t/events", json={"events": calls}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "events"
+        assert httpx.post(url + "/v1/tasks/t/events", json={"events": calls[:5]}, timeout=30).status_code == 200
+        # abandoned tasks (deadline long past, never completed) make room when the table is full
+        mgr = state.tasks
+        mgr.max_tasks = 3
+        for i in range(3):
+            httpx.post(url + "/v1/tasks", json={"task_id": f"old{i}", "app": "a", "deadline": 1})
+        for i in range(3):
+            mgr.tasks[f"old{i}"].t0 -= 3600  # their deadlines passed an hour ago
+        assert httpx.post(url + "/v1/tasks", json={"task_id": "new", "app": "a", "deadline": 30}).status_code == 201
+        assert len(mgr.tasks) <= 3 and "new" in mgr.tasks and "t" in mgr.tasks

@@ -133,3 +133,44 @@ def test_served_pattern_bound_is_refined_while_the_call_runs(tmp_path, monkeypat
             time.sleep(0.05)
         pushed = [u.len_bound[req.request_id] for u in eng.updates if req.request_id in u.len_bound]
         assert pushed and all(b > 200 for b in pushed[-1:])  # refined above what was generated
+
+
+def test_live_call_refines_its_pattern_bound_at_50_token_boundaries(tmp_path) -> None:
+    """A compound call's pattern bound is recomputed from its stage samples each time the call passes a 50-token
+    boundary; once no history length exceeds what it has generated, the bound is max_tokens and that bound is not
+    fed to the stage calibrator (it is not a stage bound)."""
+    from jitflow_server.api.calls import LiveCall
+    from jitflow_server.api.state import ServerSettings, ServerState
+    from jitflow_server.api.tasks import TaskManager
+    from jitflow_server.engine.fake import FakeEngine
+    from jitflow_server.engine.protocol import GenerateRequest, TokenDelta
+    from jitflow_server.scheduler import Kind
+    from jitflow_server.scheduler.hints import SchedHints
+    from jitflow_server.scheduler.types import SLOSpec
+    from jitflow_server.tracker.metrics import RequestTiming
+
+    state = ServerState(FakeEngine(), ServerSettings(length_predictor=False))
+    state.tasks = TaskManager(tmp_path / "h.db")
+    try:
+        samples = StageLengthSamples(tuple(range(1, 160)), tuple(range(1, 160)), 0.9, 1)
+        req = GenerateRequest("r1", [1, 2, 3], 1000, SchedHints(kind=Kind.COMPOUND, request_id="r1"))
+        timing = RequestTiming("r1", SLOSpec("compound", deadline=60.0, waiting_time=5.0), time.time(), 3)
+        call = LiveCall(state, req, timing, None, prompt_text="p", len_bound=samples.bound(0), bound_source="pattern",
+                        app="app", stage_samples=samples, stage_pos=1)
+        first = call.stage_bound
+        seen = []
+        for i in range(200):
+            call.absorb(("out", TokenDelta([i], "x"), time.time()))
+            seen.append(call.stage_bound)
+        cal = state.tasks.advisor.stage_calibrator
+        assert seen[48] == first  # 49 tokens: not refined yet
+        assert seen[49] == cal.apply("app", 1, 50, samples.bound(50)) > first  # refined at 50, conditional on > 50
+        assert seen[99] == cal.apply("app", 1, 100, samples.bound(100)) > seen[49]
+        assert seen[149] == cal.apply("app", 1, 150, samples.bound(150)) >= 151  # 9 lengths above 150: the pool's
+        assert seen[199] == 1000  # nothing in the history is longer than 200: max_tokens
+        assert [k for k, _ in call.stage_issued] == [0, 50, 100, 150]
+        assert state.refined_bounds() == {}  # not registered as live: nothing to push
+        state.live["r1"] = call
+        assert state.refined_bounds() == {"r1": 1000}
+    finally:
+        state.tasks.store.close()

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 
+from jitflow_server.analyzer.advisor import resolve_len_bound
 from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.state import ServerState
@@ -49,8 +50,9 @@ class LiveCall:
         self.app = app
         self.stage_samples = stage_samples
         self.stage_pos = stage_pos
-        #: (generated tokens, bound) of every pattern bound issued, the first at 0 (calibrator input)
+        #: (generated tokens, bound) of every calibrated pattern bound issued, the first at 0 (calibrator input)
         self.stage_issued: list[tuple[int, int]] = [(0, len_bound)] if stage_samples is not None else []
+        self._stage_bound: int | None = len_bound if stage_samples is not None else None
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.finished = False
         self.finish_reason: str | None = None
@@ -64,8 +66,9 @@ class LiveCall:
 
     @property
     def stage_bound(self) -> int | None:
-        """The latest pattern bound (tokens) of a compound call refined from its stage samples, else ``None``."""
-        return self.stage_issued[-1][1] if self.stage_samples is not None and self.stage_issued else None
+        """The latest pattern bound (tokens) of a compound call refined from its stage samples, else ``None``
+        (``max_tokens`` once no history length of the stage exceeds the generated count)."""
+        return self._stage_bound
 
     def clamp_bound(self, bound: int) -> int:
         """``bound`` within ``[1, max_tokens]``."""
@@ -135,7 +138,9 @@ class LiveCall:
         return out.text, ids
 
     def _maybe_refine(self, before: int, *, finished: bool) -> None:
-        """Ask the length predictor for a refined bound every ``refine_every`` tokens (JITServe §4.1)."""
+        """Refine the length bound every ``refine_every`` tokens (JITServe §4.1): a pattern bound from its stage
+        samples (``StageLengthSamples.bound`` × the stage calibrator, through ``resolve_len_bound``), any
+        other refinable bound by the length predictor."""
         svc = self.state.length
         n = len(self.timing.token_times)
         every = svc.refine_every if svc is not None else 50
@@ -143,9 +148,12 @@ class LiveCall:
             return
         if self.stage_samples is not None and self.state.tasks is not None:
             raw = self.stage_samples.bound(n)
-            b = self.state.tasks.advisor.stage_calibrator.apply(self.app, self.stage_pos, n,
-                                                                raw if raw is not None else self.request.max_tokens)
-            self.stage_issued.append((n, self.clamp_bound(max(b, min(n + 1, self.request.max_tokens)))))
+            cal = None if raw is None else self.state.tasks.advisor.stage_calibrator.apply(
+                self.app, self.stage_pos, n, raw)
+            # no history length above n: the stage samples say nothing more and the bound is max_tokens
+            self._stage_bound, _ = resolve_len_bound(self.request.max_tokens, pattern=cal, generated=n)
+            if cal is not None:
+                self.stage_issued.append((n, self._stage_bound))
             self.state.bounds_changed()
             return
         if svc is None or not self.bound_refinable:

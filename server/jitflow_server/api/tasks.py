@@ -33,105 +33,28 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
 from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, TokenTimeModel
 from jitflow_server.api.schemas import APIError
+from jitflow_server.api.task_bodies import (  # noqa: F401  (re-exported: the endpoints' bodies)
+    ABANDONED_AFTER_S,
+    MAX_TASK_CALLS,
+    OUTCOMES,
+    CallEvent,
+    StageEvent,
+    TaskComplete,
+    TaskCreate,
+    TaskEvents,
+)
 from jitflow_server.scheduler.types import Kind, SLOSpec
 
 logger = logging.getLogger("jitflow.tasks")
 
-OUTCOMES = ("succeeded", "failed", "deadline_missed", "cancelled")
-
-
-class TaskCreate(BaseModel):
-    """``POST /v1/tasks`` body."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    task_id: str = Field(min_length=1, max_length=200)
-    app: str = Field(min_length=1, max_length=200)
-    deadline: float
-    start_time: float | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("deadline")
-    @classmethod
-    def _pos(cls, v: float) -> float:
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError("deadline must be a positive finite number of seconds")
-        return v
-
-
-#: Largest token count one telemetry event may report.
-MAX_EVENT_TOKENS = 10_000_000
-#: Highest stage index of a task.
-MAX_STAGE_INDEX = 10_000
-_Name = Annotated[str, Field(min_length=1, max_length=200)]
-
-
-def _finite_time(v: float | None) -> float | None:
-    if v is not None and not math.isfinite(v):
-        raise ValueError("must be a finite number of seconds")
-    return v
-
-
-class _EventBase(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    stage_index: int = Field(0, ge=0, le=MAX_STAGE_INDEX)
-    stage: str | None = Field(None, max_length=200)
-
-
-class StageEvent(_EventBase):
-    """A stage boundary: ``{"type": "stage_start"|"stage_end", "stage_index", "stage", "time"}`` (unix s)."""
-
-    type: Literal["stage_start", "stage_end"]
-    time: float | None = None
-
-    _t = field_validator("time")(_finite_time)
-
-
-class CallEvent(_EventBase):
-    """A finished call: ``{"type": "llm"|"tool", "call_id", "model"|"name", "stage_index", "stage",
-    "parents", "start", "end", "error", "input_tokens", "output_tokens"}`` (unix s, tokens)."""
-
-    type: Literal["llm", "tool"]
-    call_id: _Name | None = None
-    name: _Name | None = None
-    model: _Name | None = None
-    parents: list[_Name] = Field(default_factory=list, max_length=256)
-    start: float | None = None
-    end: float | None = None
-    error: str | None = Field(None, max_length=2000)
-    input_tokens: int | None = Field(None, ge=0, le=MAX_EVENT_TOKENS)
-    output_tokens: int | None = Field(None, ge=0, le=MAX_EVENT_TOKENS)
-
-    _t = field_validator("start", "end")(_finite_time)
-
-
-TaskEvent = Annotated[StageEvent | CallEvent, Field(discriminator="type")]
-
-
-class TaskEvents(BaseModel):
-    """``POST /v1/tasks/{id}/events`` body: at most 10 000 typed events (:class:`StageEvent`,
-    :class:`CallEvent`); token counts are bounded by :data:`MAX_EVENT_TOKENS`, stage indexes by
-    :data:`MAX_STAGE_INDEX`, times must be finite."""
-
-    events: list[TaskEvent] = Field(max_length=10_000)
-
-
-class TaskComplete(BaseModel):
-    """``POST /v1/tasks/{id}/complete`` body."""
-
-    outcome: Literal["succeeded", "failed", "deadline_missed", "cancelled"]
-    end_time: float | None = None
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -279,11 +202,21 @@ class TaskManager:
         return t
 
     def _trim(self) -> None:
+        """Keep at most ``max_tasks`` tasks: drop finished tasks first, then open tasks whose deadline passed
+        more than :data:`ABANDONED_AFTER_S` ago (a client that never completed them), oldest first. Open
+        tasks still within their deadline are never dropped."""
         if len(self.tasks) <= self.max_tasks:
             return
         done = [k for k, v in self.tasks.items() if v.outcome is not None]
         for k in done[: len(self.tasks) - self.max_tasks]:
             del self.tasks[k]
+        excess = len(self.tasks) - self.max_tasks
+        if excess > 0:
+            now = time.time()
+            stale = [k for k, v in self.tasks.items() if v.t0 + v.deadline + ABANDONED_AFTER_S < now]
+            for k in stale[:excess]:
+                logger.info("task %s dropped: its deadline passed and it was never completed", k)
+                del self.tasks[k]
 
     def get(self, task_id: str) -> TaskState:
         """The task; raises ``APIError(404)``."""
@@ -299,6 +232,9 @@ class TaskManager:
         for i, ev in enumerate(events):
             if isinstance(ev, CallEvent) and ev.call_id is not None and ev.call_id in ev.parents:
                 raise APIError(400, f"events[{i}]: a call cannot be its own parent", param=f"events[{i}].parents")
+        new_calls = {ev.call_id for ev in events if isinstance(ev, CallEvent)} - set(t.nodes)
+        if len(t.nodes) + len(new_calls) > MAX_TASK_CALLS:
+            raise APIError(400, f"a task may record at most {MAX_TASK_CALLS} calls", param="events")
         for ev in events:
             s = ev.stage_index
             if ev.stage:
@@ -437,13 +373,6 @@ class TaskManager:
     async def close(self) -> None:
         """Close the history store."""
         self.store.close()
-
-
-def _num(v: Any, default: float | None) -> float | None:
-    try:
-        return float(v) if v is not None else default
-    except (TypeError, ValueError):
-        return default
 
 
 def time_model_from_env() -> TokenTimeModel:
