@@ -10,15 +10,9 @@ from jitflow_server.api.limits import MAX_SCHEMA_COUNT, MAX_SCHEMA_DEPTH, check_
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.state import ServerSettings
 from jitflow_server.engine.fake import FakeEngine
-from test_api_fake_engine import MSG, serve
+from test_api_fake_engine import MSG, env, serve  # noqa: F401  (env: the fixture, used by every test here)
 
-
-@pytest.fixture()
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("JITFLOW_HISTORY_DB", str(tmp_path / "history.db"))
-    monkeypatch.delenv("JITFLOW_PATTERNS", raising=False)
-    monkeypatch.delenv("JITFLOW_LENGTH_TELEMETRY", raising=False)
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("env")
 
 
 def _refused(schema: dict, max_tokens: int = 256) -> APIError:
@@ -46,7 +40,7 @@ def test_schema_limits_name_the_offending_field() -> None:
                       256)
 
 
-def test_hostile_schema_is_refused_before_the_engine(env) -> None:
+def test_hostile_schema_is_refused_before_the_engine() -> None:
     eng = FakeEngine(eos_after=3)
     with serve(eng) as (url, _):
         fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "minItems": 10**8}}}
@@ -61,7 +55,7 @@ def test_hostile_schema_is_refused_before_the_engine(env) -> None:
         assert ok.status_code == 200
 
 
-def test_oversized_body_gets_413_and_the_server_stays_responsive(env) -> None:
+def test_oversized_body_gets_413_and_the_server_stays_responsive() -> None:
     eng = FakeEngine(eos_after=3)
     with serve(eng, ServerSettings(max_body_bytes=4096)) as (url, _):
         big = {"model": "fake", "messages": [{"role": "user", "content": "x" * 10_000}]}
@@ -92,7 +86,7 @@ def test_oversized_body_gets_413_and_the_server_stays_responsive(env) -> None:
     ({"type": "walk", "stage_index": 0}, "events[0]"),
     ({"type": "llm", "call_id": "c", "parents": ["c"]}, "events[0].parents"),
 ])
-def test_hostile_task_events_get_400_naming_the_field_and_leave_the_task_usable(env, event, param) -> None:
+def test_hostile_task_events_get_400_naming_the_field_and_leave_the_task_usable(event, param) -> None:
     eng = FakeEngine(eos_after=3)
     with serve(eng) as (url, _):
         assert httpx.post(url + "/v1/tasks", json={"task_id": "t", "app": "a", "deadline": 30}).status_code == 201
@@ -114,7 +108,7 @@ def _json(obj) -> bytes:
     return json.dumps(obj).encode()  # allows NaN, as a hostile client would send it
 
 
-def test_a_dependency_cycle_between_calls_does_not_break_the_task(env) -> None:
+def test_a_dependency_cycle_between_calls_does_not_break_the_task() -> None:
     eng = FakeEngine(eos_after=3)
     with serve(eng) as (url, _):
         assert httpx.post(url + "/v1/tasks", json={"task_id": "t", "app": "a", "deadline": 30}).status_code == 201
@@ -127,7 +121,7 @@ def test_a_dependency_cycle_between_calls_does_not_break_the_task(env) -> None:
         assert httpx.get(url + "/v1/tasks/t", timeout=30).status_code == 200
 
 
-def test_task_table_and_task_sizes_are_bounded(env, monkeypatch) -> None:
+def test_task_table_and_task_sizes_are_bounded(monkeypatch) -> None:
     from jitflow_server.api import tasks as tasks_mod
 
     monkeypatch.setattr(tasks_mod, "MAX_TASK_CALLS", 5)
