@@ -3,6 +3,8 @@ A real HTTP server on 127.0.0.1 around the FakeEngine."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -148,3 +150,18 @@ def test_task_table_and_task_sizes_are_bounded(monkeypatch) -> None:
             mgr.tasks[f"old{i}"].t0 -= 3600  # their deadlines passed an hour ago
         assert httpx.post(url + "/v1/tasks", json={"task_id": "new", "app": "a", "deadline": 30}).status_code == 201
         assert len(mgr.tasks) <= 3 and "new" in mgr.tasks and "t" in mgr.tasks
+
+
+def test_non_streaming_request_is_aborted_when_its_client_disconnects() -> None:
+    eng = FakeEngine(eos_after=100_000, step_s=0.05)  # 20 tokens/s: the 1 500 asked take 75 s
+    with serve(eng) as (url, state):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, "max_tokens": 1500},
+                       timeout=httpx.Timeout(1.0))
+        t0 = time.time()
+        while (state.in_flight or state.live) and time.time() - t0 < 5:
+            time.sleep(0.05)
+        assert state.in_flight == 0 and not state.live  # the server let go of the call
+        (req,) = eng.requests.values()
+        assert any(e[1] == "abort" and e[2] == req.request_id for e in state.events)
+        assert not eng._running and not eng._waiting  # and nothing is left running in the engine

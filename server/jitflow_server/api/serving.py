@@ -9,6 +9,7 @@ an SSE stream carrying the measured ``jitflow`` timing object (TTFT, TBT, E2EL, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -32,6 +33,10 @@ from jitflow_server.tracker.metrics import RequestTiming
 
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+#: How often a non-streaming request checks that its client is still connected (s).
+DISCONNECT_POLL_S = 0.25
 
 
 def structured_output(response_format: dict[str, Any] | None, max_tokens: int) -> StructuredOutput | None:
@@ -165,7 +170,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
     state.event(time.time(), "first_token", rid)
     finish = _Finisher(state, call, span, task_ctx)
     if not body.stream:
-        return await _respond_json(state, call, first, finish, chat)
+        return await _respond_json(state, call, first, finish, chat, request)
     return StreamingResponse(_respond_stream(state, call, first, finish, chat), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
@@ -210,9 +215,14 @@ def _usage(call: LiveCall) -> dict[str, int]:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
-async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Finisher, chat: bool) -> dict:
+async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Finisher, chat: bool,
+                        request: Request) -> dict:
+    """Collect the whole answer. A client that disconnects meanwhile is noticed within
+    :data:`DISCONNECT_POLL_S` and its engine request is aborted (nothing is left running)."""
     text_parts: list[str] = []
     ok = False
+    waiting: asyncio.Task | None = None  # one pending read of the event queue, kept across polls
+    last_check = time.monotonic()
     try:
         ev = first
         while True:
@@ -220,9 +230,27 @@ async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Fini
             text_parts.append(text)
             if call.finished:
                 break
-            ev = await call.next()
+            gone = False
+            while True:
+                if waiting is None:
+                    waiting = asyncio.ensure_future(call.next())
+                done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+                now = time.monotonic()
+                if not done or now - last_check >= DISCONNECT_POLL_S:
+                    last_check = now
+                    if await request.is_disconnected():
+                        state.event(time.time(), "abort", call.rid, "client disconnected (non-streaming)")
+                        gone = True
+                        break
+                if done:
+                    ev, waiting = waiting.result(), None
+                    break
+            if gone:
+                break
         ok = call.finish_reason is not None and call.finish_reason != "abort"
     finally:
+        if waiting is not None:
+            waiting.cancel()
         state.in_flight -= 1
         summary = finish(ok)
         await call.close()
