@@ -165,3 +165,23 @@ def test_non_streaming_request_is_aborted_when_its_client_disconnects() -> None:
         (req,) = eng.requests.values()
         assert any(e[1] == "abort" and e[2] == req.request_id for e in state.events)
         assert not eng._running and not eng._waiting  # and nothing is left running in the engine
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"messages": [{"role": "user", "content": "a \ud800 lone surrogate"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages[0].content"),
+    ({"stop": "\ud800"}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"seed": 2**64}, "seed"),
+    ({"min_tokens": 9}, "min_tokens"),
+])
+def test_bad_sampling_fields_get_400_naming_the_field(extra, param) -> None:
+    eng = FakeEngine(eos_after=3)
+    with serve(eng) as (url, _):
+        body = {"model": "fake", "messages": MSG, "max_tokens": 8, **extra}
+        raw = _json(body).decode().encode("utf-8", "surrogatepass")
+        r = httpx.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert not eng.requests

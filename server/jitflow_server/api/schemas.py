@@ -7,7 +7,7 @@ field (``slo.deadline``, ``max_tokens``, ...).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -30,6 +30,19 @@ class APIError(Exception):
     def body(self) -> dict:
         """The JSON error body (OpenAI shape: ``code`` is a short string or ``null``, never the status)."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+#: Most stop sequences, and the longest one (characters).
+MAX_STOP_SEQUENCES, MAX_STOP_CHARS = 16, 1000
+
+
+def _utf8(text: str) -> str:
+    """``text`` if it is valid UTF-8 (no lone surrogates), else ``ValueError``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text contains a lone surrogate (not valid UTF-8)") from None
+    return text
 
 
 def _positive_finite(v: float | None, name: str) -> float | None:
@@ -89,6 +102,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_is_utf8(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return _utf8(v)
+        for part in v or []:
+            if isinstance(part.get("text"), str):
+                _utf8(part["text"])
+        return v
+
     def text(self) -> str:
         """The message's text content."""
         if self.content is None:
@@ -115,10 +138,11 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
+        list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=2**31)
     user: str | None = None
     slo: SLO | None = None
     jitflow: TaskContext | None = None
@@ -131,6 +155,13 @@ class _Common(BaseModel):
     def _finite(cls, v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("must be finite")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_is_utf8(cls, v: Any) -> Any:
+        for x in [v] if isinstance(v, str) else v or []:
+            _utf8(x)
         return v
 
 
@@ -146,3 +177,8 @@ class CompletionRequest(_Common):
 
     prompt: str | list[int] = Field(min_length=1)
     response_format: dict[str, Any] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_utf8(cls, v: Any) -> Any:
+        return _utf8(v) if isinstance(v, str) else v

@@ -71,6 +71,8 @@ def _check_lengths(state: ServerState, body, n_prompt: int, chat: bool) -> int:
     if max_tokens > room:
         raise APIError(400, f"max_tokens {max_tokens} + prompt {n_prompt} tokens exceeds the context "
                        f"of {max_len}", param="max_tokens")
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens {body.min_tokens} exceeds max_tokens {max_tokens}", param="min_tokens")
     return max_tokens
 
 
