@@ -127,12 +127,15 @@ class TaskState:
     def view(self) -> dict:
         """JSON view for ``GET /v1/tasks/{id}``."""
         stages = []
-        for s in sorted(set(self.stage_names) | {n.stage for n in self.nodes.values()} | set(self.sub_deadlines)):
+        by_stage: dict[int, list[_Node]] = {}
+        for n in self.nodes.values():  # one pass: the view is linear in the task's calls
+            by_stage.setdefault(n.stage, []).append(n)
+        for s in sorted(set(self.stage_names) | set(by_stage) | set(self.sub_deadlines)):
             calls = [
                 {"call_id": n.call_id, "kind": n.kind, "name": n.name, "parents": n.parents,
                  "input_tokens": n.input_len, "output_tokens": n.output_len, "start": n.start, "end": n.end,
                  "error": n.error, "request_id": n.request_id}
-                for n in self.nodes.values() if n.stage == s
+                for n in by_stage.get(s, [])
             ]
             ends = [c["end"] for c in calls if c["end"] is not None]
             stages.append({"index": s, "name": self.stage_names.get(s), "sub_deadline": self.sub_deadlines.get(s),
