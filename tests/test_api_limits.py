@@ -185,3 +185,37 @@ def test_bad_sampling_fields_get_400_naming_the_field(extra, param) -> None:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
         assert not eng.requests
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
+    import threading
+
+    loops: list[str] = []
+
+    class SlowTokenizer(FakeEngine):
+        def encode(self, text: str) -> list[int]:
+            loops.append(threading.current_thread().name)
+            if len(text) > 40_000:
+                time.sleep(1.5)  # a slow tokenizer on a long prompt
+            return super().encode(text)[:100]
+
+    eng = SlowTokenizer(eos_after=2)
+    with serve(eng) as (url, _):
+        result: dict = {}
+
+        def long_request() -> None:
+            result["r"] = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x" * 50_000,
+                                                                    "max_tokens": 2}, timeout=30)
+
+        th = threading.Thread(target=long_request)
+        th.start()
+        time.sleep(0.3)
+        t0 = time.time()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert time.time() - t0 < 1.0  # answered while the long prompt was being tokenized
+        th.join(timeout=30)
+        assert result["r"].status_code == 200
+        short = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert short.status_code == 200
+        # the long prompt was tokenized on a worker thread, the short one inline on the event loop's thread
+        assert len(loops) == 2 and loops[0] != loops[1]
