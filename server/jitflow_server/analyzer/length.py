@@ -304,12 +304,16 @@ class LengthPredictor:
         start = len(PROMPT_FEATURE_NAMES) + len(PREFIX_FEATURE_NAMES)
         return slice(start, start + len(MEMORY_FEATURE_NAMES))
 
-    def _near(self, X: np.ndarray) -> np.ndarray:
-        """Rows served by the memory forest: a remembered prompt at least ``memory_similarity`` similar."""
-        if self._compiled_memory is None:
-            return np.zeros(len(X), dtype=bool)
+    def _has_twin(self, X: np.ndarray) -> np.ndarray:
+        """Rows whose most similar remembered prompt is at least ``memory_similarity`` similar."""
         top = X[:, self._memory_cols().start + MEMORY_FEATURE_NAMES.index("nn_top_sim")]
         return top >= self.memory_similarity
+
+    def _near(self, X: np.ndarray) -> np.ndarray:
+        """Rows served by the memory forest (none without one): see :meth:`_has_twin`."""
+        if self._compiled_memory is None:
+            return np.zeros(len(X), dtype=bool)
+        return self._has_twin(X)
 
     def _fit_matrix(self, X: np.ndarray, y: np.ndarray, groups: Sequence[str] | None = None) -> None:
         """Fit the text forest on every row (memory columns zeroed) and, when a memory exists and enough
@@ -320,9 +324,7 @@ class LengthPredictor:
         self.forest = forest if self.keep_forest else None
         self._compiled_memory, self.base_theta_memory = None, {}
         if self.memory is not None:
-            self._compiled_memory = True  # so that _near selects by similarity
-            near = self._near(X)
-            self._compiled_memory = None
+            near = self._has_twin(X)
             if near.sum() >= MIN_MEMORY_ROWS:
                 g = [groups[i] for i in np.nonzero(near)[0]] if groups is not None else None
                 self._compiled_memory, self.base_theta_memory, _ = self._fit_one(X[near], y[near], g)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -103,6 +104,19 @@ class OnlineCalibrator:
             if key != gkey:
                 self._theta[gkey] = float(np.clip(g + delta, -self.max_abs, self.max_abs))
                 self._n[gkey] = self._n.get(gkey, 0) + 1
+
+    def observe(self, app: str | None, model: str | None, issued: Sequence[tuple[int, float]], true_len: int, *,
+                kind: str | None = None) -> None:
+        """A request finished with ``true_len`` tokens; ``issued`` are the ``(k, served bound)`` pairs it was
+        given, in issue order. :meth:`update` runs once per k-bucket, with the first bound of the bucket
+        issued below ``true_len`` (later refinements in the same bucket would count one request twice)."""
+        seen: set[int] = set()
+        for k, bound in issued:
+            bucket = calibration_bucket(k)
+            if bucket in seen or k >= true_len:
+                continue
+            seen.add(bucket)
+            self.update(app, model, k, bound, true_len, kind=kind)
 
     def state(self) -> dict[str, dict[str, float]]:
         """Snapshot ``{"app|kind|model|bucket": {"theta", "n"}}`` (for metrics/debugging)."""

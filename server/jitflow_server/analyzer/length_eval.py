@@ -36,6 +36,11 @@ NAMES = {"qrf": "QRF + prompt memory (served)", "qrf_v1": "QRF, text features on
          "empirical": "global empirical q-quantile"}
 
 
+def prompt_fold(key: str, seed: int, folds: int) -> int:
+    """The fold (``0 .. folds-1``) of a prompt key: a stable hash, so a prompt's responses share a fold."""
+    return int(hashlib.sha1(f"{seed}:{key}".encode()).hexdigest()[:8], 16) % folds
+
+
 def summarize(y: np.ndarray, b: np.ndarray) -> dict[str, float]:
     """Coverage, median / P90 of bound/true and over-reservation of bounds ``b`` for lengths ``y`` (tokens)."""
     y = np.asarray(y, dtype=np.float64)
@@ -61,15 +66,12 @@ def _stream(rows_by_gen: dict[str, list[int]], raw: np.ndarray, spread: np.ndarr
         by_ex: dict[int, list[int]] = {}
         for i in rows:
             by_ex.setdefault(int(ex_of[i]), []).append(i)
-        for t, e in enumerate(by_ex):
-            issued = []
-            for i in by_ex[e]:
+        for t, issued in enumerate(by_ex.values()):  # one response's rows, in k order
+            for i in issued:
                 b = finalize_bound(float(raw[i]) * cal.factor(None, gen, int(ks[i]), spread=float(spread[i])),
                                    int(ks[i]), None)
                 out[i], counted[i] = b, t >= warmup
-                issued.append(i)
-            for i in issued:
-                cal.update(None, gen, int(ks[i]), out[i], int(y[i]))
+            cal.observe(None, gen, [(int(ks[i]), out[i]) for i in issued], int(y[issued[0]]))
     return {"bound": out, "counted": counted}
 
 
@@ -110,8 +112,9 @@ def run_eval(train_files: list[Path], test_files: list[Path], quantile: float, o
     train_gens = sorted({e.model for e in train_ex if e.model})
     test_gens = list(dict.fromkeys(e.model for e in test_ex))
     held_out = [g for g in test_gens if g not in train_gens]
-    fold_of = {k: int(hashlib.sha1(f"{seed}:{k}".encode()).hexdigest()[:8], 16) % folds for k in set(row_key)}
-    is_test = np.asarray([idx[i] in {pos[id(e)] for e in test_ex} and ks[i] in EVAL_KS for i in range(len(y))])
+    fold_of = {k: prompt_fold(k, seed, folds) for k in set(row_key)}
+    test_set = {pos[id(e)] for e in test_ex}
+    is_test = np.asarray([idx[i] in test_set and ks[i] in EVAL_KS for i in range(len(y))])
 
     def fit_pair(tr: np.ndarray) -> dict[str, LengthPredictor]:
         ex_tr = sorted({int(idx[i]) for i in tr})
@@ -233,7 +236,7 @@ def _text_representations(all_ex: list[Any], train_ex: list[Any], test_ex: list[
     out: dict[str, Any] = {}
 
     def fold_of(e: Any) -> int:
-        return int(hashlib.sha1(f"{seed}:{e.key}".encode()).hexdigest()[:8], 16) % folds
+        return prompt_fold(e.key, seed, folds)
 
     for split in ("new_prompts", "known_prompts"):
         if split == "known_prompts" and not held_out:

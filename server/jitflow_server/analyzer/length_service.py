@@ -34,7 +34,6 @@ from jitflow_server.analyzer.length_calibration import (
     DEFAULT_QUANTILE,
     OnlineCalibrator,
     RunningQuantileFallback,
-    calibration_bucket,
     finalize_bound,
 )
 from jitflow_server.analyzer.length_data import LengthExample, telemetry_record
@@ -58,7 +57,7 @@ class _Req:
     prompt_tokens: int | None = None
     prompt_feats: np.ndarray | None = None
     memory_feats: np.ndarray | None = None
-    memory_of: int = 0  # id() of the predictor whose memory computed memory_feats
+    memory_of: str = ""  # version of the predictor whose memory computed memory_feats
     prefix_feats: dict[int, list[float]] = field(default_factory=dict)
     issued: list[tuple[int, float]] = field(default_factory=list)  # (k, served bound) from the model
     bound0: int | None = None
@@ -231,13 +230,7 @@ class LengthService:
         if r is None:
             return
         self.fallback.observe(r.app, output_len)
-        seen_buckets: set[int] = set()
-        for k, bound in r.issued:
-            b = calibration_bucket(k)
-            if b in seen_buckets or k >= output_len:
-                continue
-            seen_buckets.add(b)
-            self.calibrator.update(r.app, r.model, k, bound, output_len, kind=r.kind)
+        self.calibrator.observe(r.app, r.model, r.issued, output_len, kind=r.kind)
         if r.prompt_feats is None:
             # no forest (cold start: the telemetry is what the first model is trained on) or the request
             # finished before the worker reached it: the worker computes the prompt features off this thread
@@ -345,10 +338,10 @@ class LengthService:
 
     def _predict_batch(self, predictor: LengthPredictor, live: list[tuple[_Job, _Req]]) -> None:
         self._featurize([r for _, r in live], predictor.counter)
-        stale = [r for _, r in live if r.memory_of != id(predictor)]
+        stale = [r for _, r in live if r.memory_of != predictor.version]
         if stale:
             for r, m in zip(stale, predictor.memory_features([r.prompt for r in stale]), strict=True):
-                r.memory_feats, r.memory_of = m, id(predictor)
+                r.memory_feats, r.memory_of = m, predictor.version
         pf = np.stack([r.prompt_feats for _, r in live])
         mf = np.stack([r.memory_feats for _, r in live])
         ctx = [{"app": r.app, "kind": r.kind, "model": r.model, "stage": r.stage, "max_tokens": r.max_tokens,

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jitflow_server.analyzer.length_calibration import DEFAULT_QUANTILE, OnlineCalibrator, calibration_bucket
+from jitflow_server.analyzer.length_calibration import DEFAULT_QUANTILE, OnlineCalibrator
 
 #: Neighbour graphs whose same-stage outputs are pooled.
 STAGE_TOP_K = 16
@@ -92,14 +92,9 @@ class StageCalibrator:
         return max(int(math.ceil(raw * self._cal.factor(app, f"stage{stage}", k, kind="compound"))), k + 1)
 
     def observe(self, app: str | None, stage: int, issued: Sequence[tuple[int, int]], true_len: int) -> None:
-        """A call finished with ``true_len`` tokens; ``issued`` are its (k, bound) pairs, one per k-bucket used."""
-        seen: set[int] = set()
-        for k, b in issued:
-            bucket = calibration_bucket(k)
-            if bucket in seen or k >= true_len:
-                continue
-            seen.add(bucket)
-            self._cal.update(app, f"stage{stage}", k, b, true_len, kind="compound")
+        """A call finished with ``true_len`` tokens; ``issued`` are its (k, bound) pairs in issue order
+        (:meth:`OnlineCalibrator.observe`)."""
+        self._cal.observe(app, f"stage{stage}", issued, true_len, kind="compound")
 
 
 def _summ(y: list[float], b: list[float]) -> dict[str, float]:
@@ -137,6 +132,7 @@ def evaluate_stage_bounds(graphs: Sequence[Any], quantile: float = DEFAULT_QUANT
     rec: dict[str, dict[int, tuple[list[float], list[float]]]] = {
         m: {k: ([], []) for k in ks} for m in ("previous", "empirical", "knn", "knn_calibrated")}
     cal = StageCalibrator(quantile)
+    fallback = 1024  # tokens: the bound without any history length above k (the deep-research trace's cap)
     n_calls = 0
     for f in range(folds):
         hist = [g for t, g in enumerate(graphs) if fold_of[t] != f]
@@ -148,15 +144,14 @@ def evaluate_stage_bounds(graphs: Sequence[Any], quantile: float = DEFAULT_QUANT
                 calls = [n for n in g.nodes if n.stage == s and n.kind == "llm" and n.output_len]
                 if not calls:
                     continue
-                pool = pools.get((g.app, s), ())
+                empirical = StageLengthSamples((), pools.get((g.app, s), ()), quantile, s)
                 m = matcher.match(g.prefix(s, open_next=True), bump=False)
                 if m is not None:
-                    samples = samples_from_match(m, s, pool, quantile)
+                    samples = samples_from_match(m, s, empirical.pool, quantile)
                     best = [n.output_len for n in m.graph.nodes if n.stage == s and n.kind == "llm" and n.output_len]
                     prev0 = int(math.ceil(1.2 * max(best)) + 1) if best else None
                 else:
-                    samples = StageLengthSamples((), tuple(pool), quantile, s)
-                    prev0 = None
+                    samples, prev0 = empirical, None
                 for n in calls:
                     y = int(n.output_len)
                     issued = []
@@ -164,8 +159,7 @@ def evaluate_stage_bounds(graphs: Sequence[Any], quantile: float = DEFAULT_QUANT
                         if y <= k:
                             continue
                         raw = samples.bound(k)
-                        emp = StageLengthSamples((), tuple(pool), quantile, s).bound(k)
-                        fallback = 1024
+                        emp = empirical.bound(k)
                         vals = {"previous": max(prev0 or fallback, k + 1), "empirical": emp or fallback,
                                 "knn": raw or fallback}
                         vals["knn_calibrated"] = cal.apply(g.app, s, k, raw or fallback)

@@ -60,7 +60,6 @@ from jitflow_server.analyzer.length import FORMAT_VERSION, LengthModelError, Len
 from jitflow_server.analyzer.length_calibration import (
     DEFAULT_QUANTILE,
     OnlineCalibrator,
-    calibration_bucket,
     finalize_bound,
 )
 from jitflow_server.analyzer.length_data import load_examples
@@ -260,13 +259,8 @@ class PredictorSource:
                 b = finalize_bound(float(self.raw[it.item][i]) * fac, k, None)
                 table[cid][i] = b
                 issued.setdefault(cid, []).append((k, b))
-            elif calibrate:  # LengthService.observe: first bound of each k-bucket below the length
-                seen: set[int] = set()
-                for k, b in issued.pop(cid, []):
-                    bucket = calibration_bucket(k)
-                    if bucket not in seen and k < it.output_len:
-                        seen.add(bucket)
-                        cal.update(None, it.model, k, b, it.output_len, kind=kind_of.get(cid))
+            elif calibrate:  # as LengthService.observe
+                cal.observe(None, it.model, issued.pop(cid, []), it.output_len, kind=kind_of.get(cid))
         return table
 
 
