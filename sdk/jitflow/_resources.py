@@ -36,6 +36,18 @@ def _compact(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
+def _check_prompt(prompt: Any) -> None:
+    if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
+        raise ValueError("prompt must be a non-empty string or a list of token ids")
+
+
+def _chat_body(model: str, messages: list[Any], max_tokens: int | None, temperature: float | None,
+               response_format: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/chat/completions`` (the sync and async ``create`` share it)."""
+    return _compact({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                     "response_format": dict(response_format) if response_format is not None else None})
+
+
 class AsyncChat:
     """``client.chat`` namespace."""
 
@@ -93,15 +105,7 @@ class AsyncChatCompletions:
         """
         msgs = _check_messages(messages)
         model = await self._client._resolve_model(model)
-        body = _compact(
-            {
-                "model": model,
-                "messages": msgs,
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "response_format": dict(response_format) if response_format is not None else None,
-            }
-        )
+        body = _chat_body(model, msgs, max_tokens, temperature, response_format)
         return await self._client._llm(
             "/v1/chat/completions", "chat", body, stream=stream, cast=ChatCompletion,
             chunk_cls=ChatCompletionChunk, slo=slo, waiting_time=waiting_time, parents=parents,
@@ -133,8 +137,7 @@ class AsyncCompletions:
     ) -> Completion | AsyncStream[Completion]:
         """``POST /v1/completions``; same arguments and errors as chat, with ``prompt`` (text or
         token ids) instead of ``messages``. Streamed chunks are :class:`Completion` objects."""
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
-            raise ValueError("prompt must be a non-empty string or a list of token ids")
+        _check_prompt(prompt)
         model = await self._client._resolve_model(model)
         body = _compact({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature})
         return await self._client._llm(
@@ -193,15 +196,7 @@ class ChatCompletions:
         ``stream=True``)."""
         msgs = _check_messages(messages)
         model = self._client._resolve_model(model)
-        body = _compact(
-            {
-                "model": model,
-                "messages": msgs,
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "response_format": dict(response_format) if response_format is not None else None,
-            }
-        )
+        body = _chat_body(model, msgs, max_tokens, temperature, response_format)
         return self._client._llm(
             "/v1/chat/completions", "chat", body, stream=stream, cast=ChatCompletion,
             chunk_cls=ChatCompletionChunk, slo=slo, waiting_time=waiting_time, parents=parents,
@@ -232,8 +227,7 @@ class Completions:
         **extra: Any,
     ) -> Completion | Stream[Completion]:
         """Sync twin of :meth:`AsyncCompletions.create`."""
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
-            raise ValueError("prompt must be a non-empty string or a list of token ids")
+        _check_prompt(prompt)
         model = self._client._resolve_model(model)
         body = _compact({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature})
         return self._client._llm(
