@@ -217,13 +217,28 @@ def _usage(call: LiveCall) -> dict[str, int]:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
+async def _next_event(call: LiveCall, request: Request):
+    """The call's next queue event, or ``None`` once its client has disconnected (checked whenever no event
+    came for :data:`DISCONNECT_POLL_S`)."""
+    waiting = asyncio.ensure_future(call.next())
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+
+
 async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Finisher, chat: bool,
                         request: Request) -> dict:
     """Collect the whole answer. A client that disconnects meanwhile is noticed within
     :data:`DISCONNECT_POLL_S` and its engine request is aborted (nothing is left running)."""
     text_parts: list[str] = []
     ok = False
-    waiting: asyncio.Task | None = None  # one pending read of the event queue, kept across polls
     last_check = time.monotonic()
     try:
         ev = first
@@ -232,27 +247,18 @@ async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Fini
             text_parts.append(text)
             if call.finished:
                 break
-            gone = False
-            while True:
-                if waiting is None:
-                    waiting = asyncio.ensure_future(call.next())
-                done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
-                now = time.monotonic()
-                if not done or now - last_check >= DISCONNECT_POLL_S:
-                    last_check = now
-                    if await request.is_disconnected():
-                        state.event(time.time(), "abort", call.rid, "client disconnected (non-streaming)")
-                        gone = True
-                        break
-                if done:
-                    ev, waiting = waiting.result(), None
-                    break
-            if gone:
+            now = time.monotonic()
+            if now - last_check >= DISCONNECT_POLL_S:  # tokens are flowing: still check now and then
+                last_check = now
+                if await request.is_disconnected():
+                    ev = None
+            if ev is not None:
+                ev = await _next_event(call, request)
+            if ev is None:
+                state.event(time.time(), "abort", call.rid, "client disconnected (non-streaming)")
                 break
         ok = call.finish_reason is not None and call.finish_reason != "abort"
     finally:
-        if waiting is not None:
-            waiting.cancel()
         state.in_flight -= 1
         summary = finish(ok)
         await call.close()
