@@ -8,6 +8,7 @@ passed through to vLLM's structured-output backend); loops are bounded by counts
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -44,10 +45,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_DEADLINE = 3
 
-#: Retries of one call after an admission rejection (HTTP 429), while the task has time left.
-ADMISSION_RETRIES = 2
-
-
 @dataclass
 class JSONResult:
     """One structured-output LLM call.
@@ -81,20 +78,12 @@ def parse_json_object(text: str | None, default: dict[str, Any]) -> tuple[dict[s
     return json.loads(json.dumps(default)), False
 
 
-async def _with_admission_retry(fn: Any) -> Any:
-    """Run ``await fn()``; on :class:`jitflow.AdmissionRejectedError` back off and retry at most
-    :data:`ADMISSION_RETRIES` times while the current task still has time for the back-off."""
-    attempt = 0
-    while True:
-        try:
-            return await fn()
-        except jitflow.AdmissionRejectedError as e:
-            attempt += 1
-            wait = min(e.retry_after or 1.0, 2.0)
-            task = jitflow.current_task()
-            if attempt > ADMISSION_RETRIES or (task is not None and task.remaining() <= wait):
-                raise
-            await anyio.sleep(wait)
+def call_seed(messages: list[dict[str, Any]], name: str) -> int:
+    """Sampling seed of one call, a hash of its messages and schema name: the same task makes the same
+    calls and the same decisions on every run and under every scheduler (the demo compares schedulers on
+    identical work), whatever order concurrent calls are sent in."""
+    digest = hashlib.sha256(json.dumps([name, messages], sort_keys=True).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 async def chat_json(
@@ -119,12 +108,10 @@ async def chat_json(
         default: object used when the output is not valid JSON (then ``valid`` is False).
 
     Raises:
-        jitflow.APIError: the call failed (admission rejections are retried first).
+        jitflow.APIError: the call failed (the SDK retries admission rejections first, within the task's deadline).
     """
-    r = await _with_admission_retry(
-        lambda: st.chat(messages, max_tokens=max_tokens, temperature=temperature,
-                        response_format=json_format(name, schema))
-    )
+    r = await st.chat(messages, max_tokens=max_tokens, temperature=temperature, seed=call_seed(messages, name),
+                      response_format=json_format(name, schema))
     data, valid = parse_json_object(r.content, default)
     out = r.usage.completion_tokens if r.usage is not None else 0
     return JSONResult(data, valid, out)
@@ -135,11 +122,9 @@ async def chat_text(st: jitflow.Stage, messages: list[dict[str, Any]], *, max_to
     """One free-text chat call in stage ``st`` (its text never drives control flow).
 
     Raises:
-        jitflow.APIError: the call failed (admission rejections are retried first).
+        jitflow.APIError: the call failed (the SDK retries admission rejections first, within the task's deadline).
     """
-    r = await _with_admission_retry(
-        lambda: st.chat(messages, max_tokens=max_tokens, temperature=temperature)
-    )
+    r = await st.chat(messages, max_tokens=max_tokens, temperature=temperature, seed=call_seed(messages, "text"))
     return r.content or ""
 
 
@@ -191,7 +176,8 @@ class TaskReport:
     Attributes:
         app: application name (``deep-research`` / ``tree-of-thoughts``).
         task_id: SDK task id (also the server's id).
-        outcome: ``succeeded`` | ``deadline_missed`` | ``failed``.
+        outcome: ``succeeded`` | ``deadline_missed`` | ``rejected`` (a call was not admitted by the
+            server's admission control, after retries: a missed deadline, not a crash) | ``failed``.
         error: ``"ExcType: message"`` when the task did not succeed because of an exception.
         deadline: end-to-end deadline D (s).
         start_time: task start T0 (unix s).
@@ -248,8 +234,11 @@ def task_report(task: jitflow.Task | None, *, app: str, deadline: float,
     err = None if error is None else f"{type(error).__name__}: {error}"[:500]
     if task is None:
         return TaskReport(app, "", "failed", err, deadline, math.nan, 0.0)
-    outcome = task.outcome or ("deadline_missed" if isinstance(error, jitflow.DeadlineExceededError)
-                               else "failed" if error is not None else "succeeded")
+    if isinstance(jitflow_error(error) if error is not None else None, jitflow.AdmissionRejectedError):
+        outcome = "rejected"  # the server's admission control turned a call away (after the SDK's retries)
+    else:
+        outcome = task.outcome or ("deadline_missed" if isinstance(error, jitflow.DeadlineExceededError)
+                                   else "failed" if error is not None else "succeeded")
     t0 = task.start_time
     end = task.end_time if task.end_time is not None else t0
     stages = []
@@ -363,8 +352,8 @@ async def check_server(client: jitflow.AsyncClient, model: str | None) -> str:
 
 
 def exit_code(outcome: str) -> int:
-    """Process exit code for a task outcome: 0 succeeded, 3 deadline_missed, 1 otherwise."""
-    return {"succeeded": EXIT_OK, "deadline_missed": EXIT_DEADLINE}.get(outcome, EXIT_FAILED)
+    """Process exit code for a task outcome: 0 succeeded, 3 deadline_missed or rejected, 1 otherwise."""
+    return {"succeeded": EXIT_OK, "deadline_missed": EXIT_DEADLINE, "rejected": EXIT_DEADLINE}.get(outcome, EXIT_FAILED)
 
 
 def quiet_telemetry_warnings() -> None:

@@ -1,5 +1,5 @@
 """``jitflow demo`` without a server: the load plan (built-in, synthetic traces, real traces when
-present), per-kind goodput summaries, the plot, and CLI errors."""
+present), per-kind goodput summaries, and CLI errors."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from jitflow_server.demo import (
     azure_arrivals,
     build_plan,
     load_alpaca,
-    plot_report,
     summarize_run,
 )
 
@@ -144,20 +143,9 @@ def test_summarize_counts_goodput_per_kind():
     assert empty["chat"]["attainment"] is None and math.isclose(empty["all"]["goodput_tok_s"], 0.0)
 
 
-def test_plot_report_writes_a_png(tmp_path):
-    recs = [ReqRecord("chat", 0, "ok", True, 0.1 * i, 2.0, 10, 50, 50).__dict__ for i in range(5)]
-    task = {"t": 1.0, "app": "deep-research", "outcome": "succeeded", "deadline": 60.0,
-            "stages": [{"name": "generate_query", "start": 0.0, "end": 2.0, "sub_deadline": 8.0},
-                       {"name": "web_research", "start": 2.0, "end": 9.0, "sub_deadline": 30.0}]}
-    runs = [{"policy": p, "summary": summarize_run([], [task], 10.0), "records": recs, "tasks": [task]}
-            for p in ("gmax", "fcfs")]
-    out = tmp_path / "r.png"
-    plot_report({"runs": runs, "model": "tiny", "config": {"ttft": 2.0}, "plan": {"counts": {}}}, out)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-
-
-@pytest.mark.parametrize("args", [["--duration", "-1"], ["--data", "/nonexistent/dir"], ["--compare", "nope"],
-                                  ["--chat-rate", "-2"], ["--patterns", "/nonexistent.jsonl"]])
+@pytest.mark.parametrize("args", [["--phase-duration", "-1"], ["--data", "/nonexistent/dir"], ["--baseline", "nope"],
+                                  ["--policy", "nope"], ["--burst-load", "0"], ["--capacity", "-2"],
+                                  ["--baseline", "gmax"], ["--patterns", "/nonexistent.jsonl"]])
 def test_cli_rejects_bad_parameters(args):
     r = CliRunner().invoke(cli_app, ["demo", *args])
     assert r.exit_code == 2, r.output
@@ -165,7 +153,8 @@ def test_cli_rejects_bad_parameters(args):
 
 def test_server_start_failure_is_a_clean_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "jitflow_server.cli", "demo", "--model", str(tmp_path / "missing"),
-                        "--duration", "5", "--out", str(tmp_path / "r.json"), "--startup-timeout", "60"],
+                        "--phase-duration", "5", "--capacity", "1", "--out", str(tmp_path / "r.json"),
+                        "--startup-timeout", "60"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     assert "exited with code" in p.stdout + p.stderr

@@ -201,7 +201,8 @@ def test_request_not_admitted_within_waiting_time_is_rejected_and_freed(server_u
             assert st["rejected"] == before + 1
             # the rejected request left the engine; at most the long request is still there
             assert st["unfinished"] <= 1 and st["waiting"] == 0
-            with jitflow.Client(base_url=server_url) as client, pytest.raises(jitflow.AdmissionRejectedError) as ei:
+            with jitflow.Client(base_url=server_url, max_retries=0) as client, \
+                    pytest.raises(jitflow.AdmissionRejectedError) as ei:
                 client.chat.completions.create(model="tiny", messages=MSG, max_tokens=10,
                                                slo=jitflow.Deadline(30, waiting_time=0.3))
             assert ei.value.retry_after is not None

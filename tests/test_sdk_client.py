@@ -221,7 +221,7 @@ async def test_sse_multiline_comments_and_missing_done():
 async def test_status_errors_are_typed(status, type_, exc, stream):
     server = FakeServer()
     server.route = lambda req: error(status, "bad slo.deadline", type_, "slo.deadline")
-    async with make_client(server) as client:
+    async with make_client(server, max_retries=0) as client:
         with pytest.raises(exc) as ei:
             await client.chat.completions.create(model="demo", messages=MSG, stream=stream)
     e = ei.value
@@ -237,7 +237,7 @@ async def test_admission_rejected_with_retry_after(status):
     server = FakeServer()
     server.route = lambda req: error(status, "queue full", "admission_rejected", "slo.waiting_time",
                                      headers={"Retry-After": "2.5"})
-    async with make_client(server) as client:
+    async with make_client(server, max_retries=0) as client:
         with pytest.raises(jitflow.AdmissionRejectedError) as ei:
             await client.chat.completions.create(model="demo", messages=MSG, stream=True,
                                                  slo=jitflow.Latency(2, 0.1, waiting_time=1))
@@ -291,7 +291,7 @@ def test_retry_after_parsing():
 # --------------------------------------------------------------------------- sync twin
 def test_sync_client_chat_stream_and_errors():
     server = FakeServer()
-    with jitflow.Client("http://test:8123", transport=server.sync_transport()) as client:
+    with jitflow.Client("http://test:8123", transport=server.sync_transport(), max_retries=0) as client:
         r = client.chat.completions.create(model="demo", messages=MSG, max_tokens=2, slo=jitflow.Deadline(4))
         assert r.content == "tok tok " and r.jitflow.kind == "deadline"
         with client.chat.completions.create(model="demo", messages=MSG, max_tokens=3, stream=True) as s:

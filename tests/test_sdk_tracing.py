@@ -127,7 +127,7 @@ async def test_failed_calls_and_tasks_mark_spans(otel):
     server.route = lambda req: (error(429, "full", "admission_rejected", None, {"Retry-After": "1"})
                                 if req.url.path == "/v1/chat/completions" else None)
     client = jitflow.AsyncClient("http://test:8123", transport=server.async_transport(), model="demo",
-                                 tracer_provider=provider)
+                                 tracer_provider=provider, max_retries=0)
     with pytest.raises(jitflow.AdmissionRejectedError):
         async with client.task("t", deadline=5) as task:
             async with task.stage("s") as st:

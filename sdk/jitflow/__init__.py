@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 from . import _exceptions
 from ._agent import agent, configure, get_client, tool
 from ._calls import CallRecord
-from ._client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient, Client
+from ._client import DEFAULT_BASE_URL, DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, Client
 from ._context import current_stage, current_task
 from ._exceptions import *  # noqa: F403 - every public exception (its __all__)
 from ._slo import SLO, BestEffort, Compound, Deadline, Latency, parse_slo
@@ -56,6 +56,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "DEFAULT_BASE_URL",
+    "DEFAULT_MAX_RETRIES",
     "DEFAULT_TIMEOUT",
     "AsyncStream",
     "Stream",

@@ -5,6 +5,8 @@ Resources mirror openai-python: ``client.chat.completions.create``, ``client.com
 ``transport=httpx.MockTransport(...)`` in tests or any custom ``httpx`` transport. Every public method
 exists twice, async and sync, with the same signature and docstring (the httpx/openai-python
 convention); each half reads on its own.
+
+A 429/503 answer to a chat/completions call is retried with tenacity (``RetryPolicy``, _retries.py).
 """
 
 from __future__ import annotations
@@ -13,25 +15,23 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
+import anyio
 import httpx
+import tenacity
 from opentelemetry import trace
 from pydantic import BaseModel, ValidationError
 
 from ._calls import LLMCall
 from ._context import current_stage_var, current_task_var, loop_key, server_attributes
-from ._exceptions import (
-    APIConnectionError,
-    APIError,
-    APITimeoutError,
-    status_error_from_response,
-)
+from ._exceptions import APIConnectionError, APIError, APITimeoutError, status_error_from_response
 from ._resources import AsyncChat, AsyncCompletions, AsyncModels, Chat, Completions, Models
+from ._retries import DEFAULT_MAX_RETRIES, RetryPolicy, check_max_retries
 from ._slo import SLO
 from ._streaming import AsyncStream, Stream
 from ._task import TaskScope
 from ._telemetry import TelemetryStats
 
-__all__ = ["AsyncClient", "Client", "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT"]
+__all__ = ["AsyncClient", "Client", "DEFAULT_BASE_URL", "DEFAULT_MAX_RETRIES", "DEFAULT_TIMEOUT"]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
@@ -60,9 +60,11 @@ class _BaseClient:
         model: str | None,
         default_headers: Mapping[str, str] | None,
         tracer_provider: trace.TracerProvider | None,
+        max_retries: int,
     ) -> None:
         from . import __version__
 
+        self.max_retries = check_max_retries(max_retries)
         self.base_url = _normalise_base_url(base_url)
         self.api_key = api_key if api_key is not None else os.environ.get("JITFLOW_API_KEY")
         self.model = model or os.environ.get("JITFLOW_MODEL") or None
@@ -126,6 +128,15 @@ class _BaseClient:
             body["jitflow"] = jf
         return call, body, headers
 
+    def _api_error(self, e: BaseException, request: httpx.Request, *, reading: bool = False) -> BaseException:
+        """An httpx transport error as APITimeoutError / APIConnectionError; anything else as is."""
+        if isinstance(e, httpx.TimeoutException):
+            return APITimeoutError(request=request)
+        if not isinstance(e, httpx.TransportError):
+            return e
+        what = "connection error reading the response" if reading else f"cannot reach {self.base_url}"
+        return APIConnectionError(f"{what}: {e!r}", request=request)
+
     @staticmethod
     def _parse(model: type[M], response: httpx.Response) -> M:
         try:
@@ -155,6 +166,10 @@ class AsyncClient(_BaseClient):
             a trailing ``/v1`` is accepted and stripped).
         api_key: sent as ``Authorization: Bearer`` (default env ``JITFLOW_API_KEY``).
         timeout: seconds or an ``httpx.Timeout`` (default 600 s, connect 5 s).
+        max_retries: retries of a chat/completions call answered 429 or 503 before any body was
+            read (default 2; 0 disables). Wait: ``Retry-After`` seconds, else 0.5 s doubling (max
+            8 s, jittered); at most 60 s, and never past the call's deadline (Deadline/Compound SLO
+            or task: then the error is raised at once). ``error.attempts`` counts the tries.
         transport: an ``httpx.AsyncBaseTransport`` (e.g. ``httpx.MockTransport``).
         model: default model when a call omits ``model`` (else env ``JITFLOW_MODEL``, else the
             first model the server lists).
@@ -177,6 +192,7 @@ class AsyncClient(_BaseClient):
         *,
         api_key: str | None = None,
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         transport: httpx.AsyncBaseTransport | None = None,
         model: str | None = None,
         default_headers: Mapping[str, str] | None = None,
@@ -187,7 +203,7 @@ class AsyncClient(_BaseClient):
         telemetry_register_timeout: float = 2.0,
         telemetry_flush_timeout: float = 3.0,
     ) -> None:
-        super().__init__(base_url, api_key, model, default_headers, tracer_provider)
+        super().__init__(base_url, api_key, model, default_headers, tracer_provider, max_retries)
         self._http_kwargs: dict[str, Any] = dict(
             base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
         )
@@ -302,52 +318,54 @@ class AsyncClient(_BaseClient):
             operation=operation, body=body, stream=stream, slo=slo, waiting_time=waiting_time,
             parents=parents, extra_body=extra_body, extra=extra,
         )
-        try:
+        policy = RetryPolicy.for_call(self.max_retries, call)
+
+        async def attempt() -> httpx.Response:
+            # one try, up to the response headers: a 429/503 here is retried (no body read yet)
+            policy.started()
             request = self._http.build_request(
                 "POST", path, json=body, headers={**headers, **(extra_headers or {})},
                 timeout=_NOT_GIVEN if timeout is None else timeout,
             )
             try:
                 response = await self._http.send(request, stream=True)
-            except httpx.TimeoutException as e:
-                raise APITimeoutError(request=request) from e
             except httpx.TransportError as e:
-                raise APIConnectionError(f"cannot reach {self.base_url}: {e!r}", request=request) from e
+                raise self._api_error(e, request) from e
             if response.status_code >= 400:
                 try:
                     await response.aread()
                 finally:
                     await response.aclose()
                 raise status_error_from_response(response)
+            return response
+
+        try:
+            response = await tenacity.AsyncRetrying(sleep=anyio.sleep, **policy.options())(attempt)
         except BaseException as e:
-            call.finish(error=e)
+            call.finish(error=policy.failed(e))
             raise
         if stream:
-            return AsyncStream(response, chunk_cls, call)
+            return AsyncStream(response, chunk_cls, call, attempts=policy.attempts)
         try:
             try:
                 await response.aread()
             finally:
                 await response.aclose()
             obj = self._parse(cast, response)
-        except httpx.TimeoutException as e:
-            exc: BaseException = APITimeoutError(request=request)
-            call.finish(error=exc)
-            raise exc from e
-        except httpx.TransportError as e:
-            exc = APIConnectionError(f"connection error reading the response: {e!r}", request=request)
-            call.finish(error=exc)
-            raise exc from e
         except BaseException as e:
-            call.finish(error=e)
-            raise
+            exc = self._api_error(e, response.request, reading=True)
+            call.finish(error=policy.failed(exc))
+            if exc is e:
+                raise
+            raise exc from e
         self._finish_parsed(call, obj)
         return obj
 
 
 class Client(_BaseClient):
     """Synchronous twin of :class:`AsyncClient` (same arguments minus telemetry; compound tasks
-    are async-only). ``transport`` is an ``httpx.BaseTransport``."""
+    are async-only). ``transport`` is an ``httpx.BaseTransport``.
+    ``max_retries`` (default 2): retries of a 429/503, waits in seconds as in AsyncClient."""
 
     def __init__(
         self,
@@ -355,12 +373,13 @@ class Client(_BaseClient):
         *,
         api_key: str | None = None,
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         transport: httpx.BaseTransport | None = None,
         model: str | None = None,
         default_headers: Mapping[str, str] | None = None,
         tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
-        super().__init__(base_url, api_key, model, default_headers, tracer_provider)
+        super().__init__(base_url, api_key, model, default_headers, tracer_provider, max_retries)
         self._http = httpx.Client(
             base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
         )
@@ -428,44 +447,45 @@ class Client(_BaseClient):
             operation=operation, body=body, stream=stream, slo=slo, waiting_time=waiting_time,
             parents=parents, extra_body=extra_body, extra=extra,
         )
-        try:
+        policy = RetryPolicy.for_call(self.max_retries, call)
+
+        def attempt() -> httpx.Response:
+            # one try, up to the response headers: a 429/503 here is retried (no body read yet)
+            policy.started()
             request = self._http.build_request(
                 "POST", path, json=body, headers={**headers, **(extra_headers or {})},
                 timeout=_NOT_GIVEN if timeout is None else timeout,
             )
             try:
                 response = self._http.send(request, stream=True)
-            except httpx.TimeoutException as e:
-                raise APITimeoutError(request=request) from e
             except httpx.TransportError as e:
-                raise APIConnectionError(f"cannot reach {self.base_url}: {e!r}", request=request) from e
+                raise self._api_error(e, request) from e
             if response.status_code >= 400:
                 try:
                     response.read()
                 finally:
                     response.close()
                 raise status_error_from_response(response)
+            return response
+
+        try:
+            response = tenacity.Retrying(**policy.options())(attempt)
         except BaseException as e:
-            call.finish(error=e)
+            call.finish(error=policy.failed(e))
             raise
         if stream:
-            return Stream(response, chunk_cls, call)
+            return Stream(response, chunk_cls, call, attempts=policy.attempts)
         try:
             try:
                 response.read()
             finally:
                 response.close()
             obj = self._parse(cast, response)
-        except httpx.TimeoutException as e:
-            exc: BaseException = APITimeoutError(request=request)
-            call.finish(error=exc)
-            raise exc from e
-        except httpx.TransportError as e:
-            exc = APIConnectionError(f"connection error reading the response: {e!r}", request=request)
-            call.finish(error=exc)
-            raise exc from e
         except BaseException as e:
-            call.finish(error=e)
-            raise
+            exc = self._api_error(e, response.request, reading=True)
+            call.finish(error=policy.failed(exc))
+            if exc is e:
+                raise
+            raise exc from e
         self._finish_parsed(call, obj)
         return obj

@@ -57,6 +57,8 @@ class APIError(JitflowError):
         body: the decoded JSON error body (or raw text) when the server sent one, else ``None``.
         type, param, code: the OpenAI-shaped ``error.type`` / ``error.param`` / ``error.code``
             fields when present (``param`` names the offending field, e.g. ``"slo.deadline"``).
+        attempts: HTTP attempts the call made before this error was raised (``1`` plus the
+            retries of a 429/503, see ``AsyncClient(max_retries=...)``).
     """
 
     def __init__(self, message: str, *, request: httpx.Request | None = None, body: Any = None) -> None:
@@ -69,6 +71,7 @@ class APIError(JitflowError):
         self.type: str | None = err.get("type")
         self.param: str | None = err.get("param")
         self.code: Any = err.get("code")
+        self.attempts: int = 1
 
 
 class APIConnectionError(APIError):
@@ -93,10 +96,18 @@ class APIStatusError(APIError):
         body: decoded JSON body (``{"error": {"message", "type", "param", "code"}}``) or text.
         message: human-readable message (taken from ``error.message`` when present).
         response: the ``httpx.Response``, when available.
+        retry_after: seconds the server asked the client to wait (``Retry-After`` header,
+            delta-seconds or HTTP-date), or ``None`` if absent / unparsable.
     """
 
     def __init__(
-        self, status_code: int, body: Any, message: str, *, response: httpx.Response | None = None
+        self,
+        status_code: int,
+        body: Any,
+        message: str,
+        *,
+        response: httpx.Response | None = None,
+        retry_after: float | None = None,
     ) -> None:
         request = None
         if response is not None:
@@ -108,6 +119,7 @@ class APIStatusError(APIError):
         self.status_code = status_code
         self.response = response
         self.request_id: str | None = response.headers.get("x-request-id") if response is not None else None
+        self.retry_after = retry_after
 
     def __str__(self) -> str:
         param = f" (param: {self.param})" if self.param else ""
@@ -137,24 +149,13 @@ class InternalServerError(APIStatusError):
 class AdmissionRejectedError(APIStatusError):
     """The server's admission control rejected the request (JITServe §4.2, ``waiting_time``).
 
-    Raised for HTTP 429 or 503 whose body has ``error.type == "admission_rejected"``.
+    Raised for HTTP 429 or 503 whose body has ``error.type == "admission_rejected"``. The clients
+    retry it (``max_retries``) before raising it.
 
     Attributes:
         retry_after: seconds to wait before retrying, parsed from the ``Retry-After`` header
             (delta-seconds or HTTP-date), or ``None`` if absent / unparsable.
     """
-
-    def __init__(
-        self,
-        status_code: int,
-        body: Any,
-        message: str,
-        *,
-        response: httpx.Response | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(status_code, body, message, response=response)
-        self.retry_after = retry_after
 
 
 class StreamError(APIStatusError):
@@ -247,13 +248,11 @@ def status_error_from_response(response: httpx.Response) -> APIStatusError:
     message = _message_from_body(body, status)
     err = body.get("error") if isinstance(body, dict) else None
     err_type = err.get("type") if isinstance(err, dict) else None
+    retry_after = parse_retry_after(response.headers.get("retry-after"))
     if status in (429, 503) and err_type == "admission_rejected":
-        return AdmissionRejectedError(
-            status, body, message, response=response,
-            retry_after=parse_retry_after(response.headers.get("retry-after")),
-        )
+        return AdmissionRejectedError(status, body, message, response=response, retry_after=retry_after)
     if status == 429:
-        return RateLimitError(status, body, message, response=response)
+        return RateLimitError(status, body, message, response=response, retry_after=retry_after)
     cls: type[APIStatusError]
     if status == 400:
         cls = BadRequestError
@@ -265,7 +264,7 @@ def status_error_from_response(response: httpx.Response) -> APIStatusError:
         cls = InternalServerError
     else:
         cls = APIStatusError
-    return cls(status, body, message, response=response)
+    return cls(status, body, message, response=response, retry_after=retry_after)
 
 
 def stream_error_from_event(obj: dict[str, Any], response: httpx.Response | None) -> StreamError:

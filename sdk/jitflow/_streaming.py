@@ -53,8 +53,11 @@ class _SSEDecoder:
 class _StreamState(Generic[ChunkT]):
     """What both stream flavours accumulate while iterating."""
 
-    def __init__(self, response: httpx.Response, chunk_cls: type[ChunkT], call: LLMCall | None) -> None:
+    def __init__(
+        self, response: httpx.Response, chunk_cls: type[ChunkT], call: LLMCall | None, attempts: int = 1
+    ) -> None:
         self.response = response
+        self.attempts = attempts
         self._chunk_cls = chunk_cls
         self._call = call
         self.id: str | None = None
@@ -126,14 +129,17 @@ class AsyncStream(_StreamState[ChunkT]):
     """Async iterator of chunks; use as ``async with`` to guarantee the HTTP response is closed.
 
     Attributes (complete after iteration): ``timing`` (:class:`jitflow.Timing` from the final
-    chunk), ``usage``, ``id``, ``model``, ``finish_reasons``, ``response`` (``httpx.Response``).
+    chunk), ``usage``, ``id``, ``model``, ``finish_reasons``, ``response`` (``httpx.Response``);
+    ``attempts``: HTTP attempts it took to open the stream (``1`` + retries of a 429/503).
 
     Raises while iterating: :class:`jitflow.StreamError` (server error event),
     :class:`jitflow.APIConnectionError` / :class:`jitflow.APITimeoutError`.
     """
 
-    def __init__(self, response: httpx.Response, chunk_cls: type[ChunkT], call: LLMCall | None) -> None:
-        super().__init__(response, chunk_cls, call)
+    def __init__(
+        self, response: httpx.Response, chunk_cls: type[ChunkT], call: LLMCall | None, attempts: int = 1
+    ) -> None:
+        super().__init__(response, chunk_cls, call, attempts)
         self._iter = self._events()
         self._closed = False
 
@@ -167,6 +173,8 @@ class AsyncStream(_StreamState[ChunkT]):
             raise
         except BaseException as e:
             error = e
+            if isinstance(e, APIError):
+                e.attempts = self.attempts
             raise
         finally:
             await self._close(error)
@@ -195,8 +203,10 @@ class AsyncStream(_StreamState[ChunkT]):
 class Stream(_StreamState[ChunkT]):
     """Sync twin of :class:`AsyncStream` (iterator + context manager)."""
 
-    def __init__(self, response: httpx.Response, chunk_cls: type[ChunkT], call: LLMCall | None) -> None:
-        super().__init__(response, chunk_cls, call)
+    def __init__(
+        self, response: httpx.Response, chunk_cls: type[ChunkT], call: LLMCall | None, attempts: int = 1
+    ) -> None:
+        super().__init__(response, chunk_cls, call, attempts)
         self._iter = self._events()
         self._closed = False
 
@@ -230,6 +240,8 @@ class Stream(_StreamState[ChunkT]):
             raise
         except BaseException as e:
             error = e
+            if isinstance(e, APIError):
+                e.attempts = self.attempts
             raise
         finally:
             self._close(error)

@@ -54,6 +54,9 @@ def register(app: typer.Typer) -> None:
         policy: str = typer.Option("gmax", help="gmax | gmax-paper | fcfs | sarathi | edf | sjf | las (oracle needs true lengths: simulator only)."),
         param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (repeatable), e.g. "
                                         "delta_steps=50, p=0.95, starvation_delta=0.02, fairness=0."),
+        scheduler: str = typer.Option("jitflow", help="jitflow: the plug-in runs --policy | vllm: stock vLLM "
+                                      "scheduling, no plug-in (FCFS, no admission control, hints ignored; the "
+                                      "baseline of `jitflow demo`)."),
         batch_size: int = typer.Option(32, help="B: requests run per engine step."),
         max_model_len: int = typer.Option(8192, help="Context length (tokens)."),
         kv_cache_gib: Optional[float] = typer.Option(None, help="KV cache size (GiB; default 131,072 tokens: "
@@ -80,13 +83,15 @@ def register(app: typer.Typer) -> None:
 
         from jitflow_server.api.app import ServerSettings, create_app
         from jitflow_server.engine.demo_model import resolve_model
-        from jitflow_server.engine.vllm_engine import DTYPES, EngineConfig, VLLMEngine
+        from jitflow_server.engine.vllm_engine import DTYPES, SCHEDULERS, EngineConfig, VLLMEngine
         from jitflow_server.scheduler import POLICY_NAMES, make_policy
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
 
         if dtype not in DTYPES:
             raise typer.BadParameter(f"choose one of {list(DTYPES)}", param_hint="--dtype")
 
+        if scheduler not in SCHEDULERS:
+            raise typer.BadParameter(f"choose one of {list(SCHEDULERS)}", param_hint="--scheduler")
         if engine != "vllm":
             raise typer.BadParameter("only the embedded 'vllm' engine is supported", param_hint="--engine")
         if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
@@ -110,9 +115,9 @@ def register(app: typer.Typer) -> None:
         name = served_name or (model if model in VARIANTS else path.name)
         cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
                            batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                           dtype=dtype)
-        typer.echo(f"jitflow: starting vLLM on {path} (policy {policy}); listening on http://{host}:{port}",
-                   err=True)
+                           dtype=dtype, scheduler=scheduler)
+        what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
+        typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
         settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor)
         uvicorn.run(create_app(VLLMEngine(cfg), settings, owns_engine=True), host=host, port=port,
                     log_level=log_level, timeout_graceful_shutdown=5)

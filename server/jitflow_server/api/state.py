@@ -133,5 +133,7 @@ class ServerState:
         """Server-side counters merged into ``GET /v1/jitflow/engine``."""
         out: dict[str, Any] = {"server_in_flight": self.in_flight}
         if self.length is not None:
-            out["length_predictor"] = {"model": self.length.predictor is not None, **self.length.stats}
+            pred = self.length.predictor
+            out["length_predictor"] = {"model": pred is not None, "version": getattr(pred, "version", None),
+                                       **self.length.stats}
         return out

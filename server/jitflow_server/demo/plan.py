@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -66,6 +66,40 @@ class DemoConfig:
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name} must satisfy 1 <= min <= max, got {(lo, hi)}")
+
+
+@dataclass(frozen=True)
+class BaseMix:
+    """The demo's load at scale 1 (arrivals per second).
+
+    Attributes:
+        chat_rate, deadline_rate: streaming chat / deadline requests per second.
+        research_rate, tot_rate: deep-research / Tree-of-Thoughts tasks per second.
+    """
+
+    chat_rate: float = 0.4
+    deadline_rate: float = 0.2
+    research_rate: float = 5 / 120
+    tot_rate: float = 6 / 120
+
+
+BASE_MIX = BaseMix()
+
+
+def phase_config(scale: float, duration: float, seed: int, slos: DemoConfig,
+                 mix: BaseMix = BASE_MIX) -> DemoConfig:
+    """The load of one demo phase: ``mix`` times ``scale`` for ``duration`` seconds (task counts rounded,
+    at least 1 of each when ``scale > 0``), with the SLOs, token ranges and grace of ``slos``.
+
+    Raises:
+        ValueError: ``scale`` or ``duration`` not positive and finite.
+    """
+    if not (math.isfinite(scale) and scale > 0 and math.isfinite(duration) and duration > 0):
+        raise ValueError(f"scale and duration must be positive, got {scale!r}, {duration!r}")
+    return replace(slos, duration=duration, seed=seed, chat_rate=mix.chat_rate * scale,
+                   deadline_rate=mix.deadline_rate * scale,
+                   research_tasks=max(1, round(mix.research_rate * scale * duration)),
+                   tot_tasks=max(1, round(mix.tot_rate * scale * duration)))
 
 
 def scaled_tasks(per_120s: int, duration: float) -> int:

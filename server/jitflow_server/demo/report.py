@@ -22,9 +22,10 @@ def print_summary(run: RunResult, console: Any) -> None:
     """Rich tables: per-kind SLO attainment and goodput; per task its stages and outcome."""
     from rich.table import Table
 
-    t = Table(title=f"SLO attainment and goodput per kind (policy {run.policy})")
+    label = f"{run.policy}, {run.phase} phase" if run.phase else f"policy {run.policy}"
+    t = Table(title=f"SLO attainment and goodput per kind ({label})")
     for c in ("kind", "n", "met", "attainment", "goodput tok", "goodput tok/s", "rejected", "err/unfin.",
-              "P50 TTFT", "P95 TTFT", "P50 E2EL", "P95 E2EL"):
+              "P50 TTFT", "P95 TTFT", "P50 TBT", "P50 E2EL", "P95 E2EL"):
         t.add_column(c, justify="left" if c == "kind" else "right")
     for kind in (*KINDS, "all"):
         s = run.summary[kind]
@@ -33,9 +34,9 @@ def print_summary(run: RunResult, console: Any) -> None:
                   str(s["goodput_tokens"]), _fmt(s["goodput_tok_s"], ".1f"), str(s.get("rejected", "")),
                   f"{s.get('errors', 0)}/{s.get('unfinished', 0)}" if kind != "all" else "",
                   _fmt(s.get("p50_ttft"), ".2f", "s"), _fmt(s.get("p95_ttft"), ".2f", "s"),
-                  _fmt(s.get("p50_e2el"), ".1f", "s"), _fmt(s.get("p95_e2el"), ".1f", "s"))
+                  _fmt(s.get("p50_tbt"), ".3f", "s"), _fmt(s.get("p50_e2el"), ".1f", "s"), _fmt(s.get("p95_e2el"), ".1f", "s"))
     console.print(t)
-    tt = Table(title=f"compound tasks (policy {run.policy}): stages as name end/sub-deadline (s from start)")
+    tt = Table(title=f"compound tasks ({label}): stages as name end/sub-deadline (s from start)")
     for c in ("start", "app", "task", "deadline", "elapsed", "outcome", "matched", "stages"):
         tt.add_column(c, justify="right" if c in ("start", "deadline", "elapsed") else "left", overflow="fold")
     for task in sorted(run.tasks, key=lambda x: x.get("t", 0)):
@@ -52,78 +53,179 @@ def print_summary(run: RunResult, console: Any) -> None:
     console.print(tt)
 
 
-def plot_report(report: dict[str, Any], path: Path) -> None:
-    """Write the demo's figure: per-kind SLO attainment and goodput (one bar per policy run), the
-    compound tasks' stage timelines with sub-deadlines and deadlines, and the chat TTFT CDF."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = report["runs"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    ax_att, ax_gp, ax_tl, ax_cdf = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
-    width = 0.8 / max(1, len(runs))
-    for i, run in enumerate(runs):
-        xs = [k + i * width for k in range(len(KINDS))]
-        att = [100 * (run["summary"][k]["attainment"] or 0) for k in KINDS]
-        gp = [run["summary"][k]["goodput_tok_s"] for k in KINDS]
-        ax_att.bar(xs, att, width, label=run["policy"])
-        ax_gp.bar(xs, gp, width, label=run["policy"])
-    for ax, title, ylabel in ((ax_att, "SLO attainment per kind", "% of requests / tasks meeting SLO"),
-                              (ax_gp, "goodput per kind", "goodput (tokens/s)")):
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(KINDS))])
-        ax.set_xticklabels(KINDS)
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.legend()
-    ax_att.set_ylim(0, 105)
-    # Task timelines of the first run.
-    tasks = sorted(runs[0]["tasks"], key=lambda x: x.get("t", 0)) if runs else []
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    names: dict[str, str] = {}
-    for row, task in enumerate(tasks):
-        t0 = task.get("t", 0.0)
-        for s in task.get("stages") or []:
-            if s.get("end") is None:
-                continue
-            c = names.setdefault(s["name"], colours[len(names) % len(colours)])
-            ax_tl.barh(row, s["end"] - s["start"], left=t0 + s["start"], color=c, height=0.6,
-                       label=s["name"] if list(names).index(s["name"]) == len(names) - 1 and
-                       not any(s["name"] == lab for lab in ax_tl.get_legend_handles_labels()[1]) else None)
-            if s.get("sub_deadline") is not None:
-                ax_tl.plot([t0 + s["sub_deadline"]] * 2, [row - 0.38, row + 0.38], color="black", lw=0.9)
-        if task.get("deadline"):
-            ok = task.get("outcome") == "succeeded"
-            ax_tl.plot(t0 + task["deadline"], row, marker="|", ms=14, mew=2.5, color="green" if ok else "red")
-    ax_tl.set_yticks(range(len(tasks)))
-    short = {"deep-research": "DR", "tree-of-thoughts": "ToT"}
-    verdict = {"succeeded": "met", "deadline_missed": "missed"}
-    ax_tl.set_yticklabels([f"{short.get(t.get('app', ''), t.get('app', ''))} {verdict.get(t.get('outcome'), t.get('outcome'))}"
-                           for t in tasks], fontsize=7)
-    ax_tl.set_xlabel("time since load start (s)")
-    ax_tl.set_title(f"compound tasks ({runs[0]['policy'] if runs else ''}): stages, sub-deadlines (black ticks), "
-                    "deadline (green: met, red: missed)", fontsize=9)
-    if names:
-        ax_tl.legend(fontsize=7, loc="lower right")
-    for run in runs:
-        ttfts = sorted(r["ttft"] for r in run["records"] if r["kind"] == "chat" and r.get("ttft") is not None)
-        if ttfts:
-            ax_cdf.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=run["policy"])
-    ttft_slo = report.get("config", {}).get("ttft")
-    if ttft_slo:
-        ax_cdf.axvline(ttft_slo, color="grey", ls="--", label="TTFT SLO")
-    ax_cdf.set_xlabel("chat TTFT (s)")
-    ax_cdf.set_ylabel("CDF")
-    ax_cdf.set_title("streaming chat: time to first token")
-    ax_cdf.legend()
-    fig.suptitle(f"jitflow demo: model {report.get('model')}, {report.get('plan', {}).get('counts')}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+# ---------------------------------------------------------------------- the comparison
+#: Targets the report checks (JSON ``targets``): burst-phase token goodput ratio and normal-phase attainment.
+BURST_TOKEN_TARGET = 1.3
+NORMAL_ATTAINMENT_TARGET = 0.9
 
 
-def _run_dict(run: RunResult) -> dict[str, Any]:
-    return {"policy": run.policy, "wall": run.wall, "summary": run.summary,
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def compare_phase(main: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    """Side-by-side numbers of one phase from two ``summarize_run`` results (``base`` may be None).
+
+    Returns ``{"token_goodput_ratio", "request_goodput_ratio", "compound_met": [main, base],
+    "compound_n", "attainment": {kind: [main, base]}}`` (ratios main / base, None without a baseline or
+    when the baseline's value is 0)."""
+    kinds = (*KINDS, "all")
+    return {
+        "token_goodput_ratio": _ratio(main["all"]["goodput_tokens"], base["all"]["goodput_tokens"]) if base else None,
+        "request_goodput_ratio": _ratio(main["all"]["met"], base["all"]["met"]) if base else None,
+        "compound_met": [main["compound"]["met"], base["compound"]["met"] if base else None],
+        "compound_n": main["compound"]["n"],
+        "attainment": {k: [main[k]["attainment"], base[k]["attainment"] if base else None] for k in kinds},
+    }
+
+
+def check_targets(comparison: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
+    """The demo's targets from the per-phase comparison (None where a phase or the baseline is missing):
+    burst token goodput ≥ 1.3× the baseline's and more compound tasks met; normal-phase attainment ≥ 0.9
+    for every kind and not below the baseline's for any kind."""
+    burst, normal = comparison.get("burst"), comparison.get("normal")
+    out: dict[str, bool | None] = {"burst_token_goodput_ratio_ge_1_3": None, "burst_more_compound_met": None,
+                                   "normal_attainment_ge_0_9_every_kind": None,
+                                   "normal_attainment_not_below_baseline": None}
+    if burst and burst["token_goodput_ratio"] is not None:
+        out["burst_token_goodput_ratio_ge_1_3"] = burst["token_goodput_ratio"] >= BURST_TOKEN_TARGET
+    if burst and burst["compound_met"][1] is not None:
+        out["burst_more_compound_met"] = burst["compound_met"][0] > burst["compound_met"][1]
+    if normal:
+        att = normal["attainment"]
+        out["normal_attainment_ge_0_9_every_kind"] = all(
+            (att[k][0] or 0) >= NORMAL_ATTAINMENT_TARGET for k in KINDS if att[k][0] is not None)
+        if all(att[k][1] is not None for k in KINDS if att[k][0] is not None):
+            out["normal_attainment_not_below_baseline"] = all(
+                (att[k][0] or 0) >= (att[k][1] or 0) for k in KINDS if att[k][0] is not None)
+    return out
+
+
+def run_dict(run: RunResult) -> dict[str, Any]:
+    """A run as JSON: side label, phase, wall time, summary, per-request records, per-task reports."""
+    return {"side": run.policy, "phase": run.phase, "wall": run.wall, "summary": run.summary,
             "records": [asdict(r) for r in run.records], "tasks": run.tasks}
+
+
+def build_report(opts: Any, cap: Any, phases: list[Any], sides: list[Any], runs: list[RunResult], length: Any,
+                 served: dict[str, Any], version: int) -> dict[str, Any]:
+    """The report dict (schema in docs/quickstart.md) from the demo's parts."""
+    main_label = sides[-1].label
+    base_label = sides[0].label if len(sides) > 1 else None
+    by = {(r.policy, r.phase): r.summary for r in runs}
+    comparison = {ph.name: compare_phase(by[(main_label, ph.name)], by.get((base_label, ph.name)))
+                  for ph in phases if (main_label, ph.name) in by}
+    main_served = served.get(main_label) or {}
+    used = "qrf" if main_served.get("model") else "fallback"
+    warning = None if used == "qrf" else (
+        f"the {main_label} server did not load the trained length model ({length.path}); it used the running "
+        "per-application quantiles instead")
+    return {
+        "version": version, "model": opts.model, "data": str(opts.data_dir) if opts.data_dir else None,
+        "seed": opts.seed, "wall_s": None,
+        "capacity": {k: v for k, v in vars(cap).items()},
+        "phases": [{"name": ph.name, "load_x_capacity": ph.load, "scale": ph.scale, "duration_s": ph.cfg.duration,
+                    "chat_rate": ph.cfg.chat_rate, "deadline_rate": ph.cfg.deadline_rate,
+                    "research_tasks": ph.cfg.research_tasks, "tot_tasks": ph.cfg.tot_tasks,
+                    "prompt_source": ph.plan.prompt_source, "arrival_source": ph.plan.arrival_source,
+                    "counts": ph.plan.counts()} for ph in phases],
+        "slos": {"ttft_s": opts.slos.ttft, "tbt_s": opts.slos.tbt, "deadline_s": opts.slos.deadline,
+                 "research_deadline_s": opts.slos.research_deadline, "tot_deadline_s": opts.slos.tot_deadline},
+        "sides": [{"label": s.label, "scheduler": s.scheduler, "policy": s.policy} for s in sides],
+        "baseline": base_label, "main": main_label,
+        "length_predictor": {"used": used, "path": str(length.path), "source": length.source_kind,
+                             "sources": [str(p) for p in length.sources], "trained_this_run": length.trained,
+                             "served": served, "warning": warning},
+        "comparison": comparison,
+        "targets": check_targets(comparison),
+        "failed_tasks": sum(r.summary["all"]["failed_tasks"] for r in runs),
+        "runs": [run_dict(r) for r in runs],
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _x(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}×"
+
+
+def comparison_rows(report: dict[str, Any]) -> list[list[str]]:
+    """One row per (phase, side): the numbers of the comparison table (also the markdown table)."""
+    rows = []
+    for run in report["runs"]:
+        s = run["summary"]
+        rows.append([run["phase"], run["side"], _pct(s["chat"]["attainment"]), _pct(s["deadline"]["attainment"]),
+                     f"{s['compound']['met']}/{s['compound']['n']}", _pct(s["all"]["attainment"]),
+                     f"{s['all']['goodput_tok_s']:.0f}", f"{s['all']['goodput_req_s']:.2f}", str(s["all"]["rejected"]),
+                     _fmt(s["chat"]["p50_ttft"], ".2f", "s"), _fmt(s["chat"]["p95_ttft"], ".2f", "s"),
+                     _fmt(s["chat"]["p50_tbt"], ".3f", "s"), _fmt(s["chat"]["p95_tbt"], ".3f", "s"),
+                     _fmt(s["deadline"]["p50_e2el"], ".1f", "s"), _fmt(s["deadline"]["p95_e2el"], ".1f", "s")])
+    return rows
+
+
+COMPARISON_COLUMNS = ("phase", "scheduler", "chat att.", "deadline att.", "compound met", "all att.",
+                      "goodput tok/s", "goodput req/s", "rejected", "P50 TTFT", "P95 TTFT", "P50 TBT", "P95 TBT",
+                      "P50 E2EL (deadline)", "P95 E2EL (deadline)")
+
+
+def print_comparison(report: dict[str, Any], console: Any) -> None:
+    """The side-by-side table, the highlighted ratios, the targets and the length-predictor line."""
+    from rich.table import Table
+
+    t = Table(title="jitflow demo: both schedulers on the same arrivals")
+    for c in COMPARISON_COLUMNS:
+        t.add_column(c, justify="left" if c in ("phase", "scheduler") else "right")
+    for row in comparison_rows(report):
+        t.add_row(*row)
+    console.print(t)
+    base, main = report["baseline"], report["main"]
+    for phase, c in report["comparison"].items():
+        if base is None:
+            break
+        console.print(f"[bold]{phase} phase: {main} / {base} token goodput [reverse] {_x(c['token_goodput_ratio'])} "
+                      f"[/reverse], requests meeting their SLO {_x(c['request_goodput_ratio'])}, compound tasks met "
+                      f"{c['compound_met'][0]} vs {c['compound_met'][1]} of {c['compound_n']}[/bold]")
+    for name, ok in report["targets"].items():
+        if ok is not None:
+            console.print(f"  target {name}: {'[green]met[/green]' if ok else '[red]missed[/red]'}")
+    lp = report["length_predictor"]
+    if lp["warning"]:
+        console.print(f"[bold yellow]warning:[/bold yellow] {lp['warning']}")
+    else:
+        ver = (lp["served"].get(main) or {}).get("version")
+        console.print(f"length predictor: trained QRF {ver} ({lp['source']}, "
+                      f"{'trained in this run' if lp['trained_this_run'] else 'cached'})")
+    if report["failed_tasks"]:
+        console.print(f"[red]{report['failed_tasks']} agent task(s) failed with an error[/red]")
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    """``demo-report.md``: capacity, phases, the comparison table, ratios, targets, length predictor."""
+    cap = report["capacity"]
+    lines = ["# jitflow demo report", "",
+             f"Model `{report['model']}`; capacity {cap['out_tok_s']:.0f} output tok/s on the demo mix "
+             f"({'cached' if cap.get('cached') else 'measured'} {cap['measured_at']}); "
+             f"baseline `{report['baseline']}`, jitflow `{report['main']}`; wall {report['wall_s']:.0f} s.", "",
+             "| phase | × capacity | chat/s | deadline/s | deep-research | tree-of-thoughts |", "|---|---:|---:|---:|---:|---:|"]
+    for ph in report["phases"]:
+        lines.append(f"| {ph['name']} | {ph['load_x_capacity']:.1f} | {ph['chat_rate']:.2f} | {ph['deadline_rate']:.2f} "
+                     f"| {ph['research_tasks']} | {ph['tot_tasks']} |")
+    lines += ["", "| " + " | ".join(COMPARISON_COLUMNS) + " |", "|" + "---|" * len(COMPARISON_COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in comparison_rows(report)]
+    lines.append("")
+    for phase, c in report["comparison"].items():
+        if report["baseline"] is not None:
+            lines.append(f"- **{phase}**: token goodput ratio **{_x(c['token_goodput_ratio'])}**, request goodput "
+                         f"ratio {_x(c['request_goodput_ratio'])}, compound tasks met {c['compound_met'][0]} vs "
+                         f"{c['compound_met'][1]} of {c['compound_n']}")
+    lines += ["", "Targets: " + ", ".join(f"{k} {'met' if v else 'missed'}" for k, v in report["targets"].items()
+                                          if v is not None), ""]
+    lp = report["length_predictor"]
+    lines.append(f"Length predictor: {lp['used']} ({lp['source']}, {lp['path']})" +
+                 (f". **Warning**: {lp['warning']}" if lp["warning"] else ""))
+    lines.append(f"Failed tasks: {report['failed_tasks']}")
+    path.write_text("\n".join(lines) + "\n")

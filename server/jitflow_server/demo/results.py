@@ -15,7 +15,8 @@ class ReqRecord:
     """Outcome of one chat or deadline request.
 
     ``status``: ``ok`` | ``rejected`` (admission, HTTP 429) | ``error`` | ``unfinished`` (still
-    running when the run ended). ``goodput`` in tokens (on-time output tokens for
+    running when the run ended, or given up by the client after its deadline). ``tbt`` is the
+    request's mean time between output tokens. ``goodput`` in tokens (on-time output tokens for
     latency SLOs; input + output tokens when a deadline is met). Times in seconds.
     """
 
@@ -29,6 +30,7 @@ class ReqRecord:
     output_tokens: int = 0
     goodput: int = 0
     error: str | None = None
+    tbt: float | None = None
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -50,9 +52,11 @@ def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duratio
         duration: load duration (s) for goodput rates.
 
     Returns:
-        ``{kind: {"n", "met", "attainment", "goodput_tokens", "goodput_tok_s", "rejected",
-        "errors", "unfinished", "p50_ttft", "p95_ttft", "p50_e2el", "p95_e2el"}}`` for kinds
-        ``chat``, ``deadline``, ``compound`` and ``all`` (attainment over all units).
+        ``{kind: {"n", "met", "attainment", "goodput_tokens", "goodput_tok_s", "goodput_req_s",
+        "rejected", "errors", "unfinished", "p50_ttft", "p95_ttft", "p50_tbt", "p95_tbt", "p50_e2el",
+        "p95_e2el"}}`` for kinds ``chat``, ``deadline``, ``compound``, and for ``all`` (attainment over
+        all units) ``n``, ``met``, ``attainment``, the three goodputs, ``rejected`` and ``failed_tasks``.
+        Request goodput (``goodput_req_s``) counts units (requests, tasks) that met their SLO per second.
     """
     out: dict[str, dict[str, Any]] = {}
     for kind in ("chat", "deadline"):
@@ -60,13 +64,15 @@ def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duratio
         met = sum(r.slo_met for r in rs)
         gp = sum(r.goodput for r in rs)
         ttfts = [r.ttft for r in rs if r.ttft is not None]
+        tbts = [r.tbt for r in rs if r.tbt is not None and r.status == "ok"]
         e2els = [r.e2el for r in rs if r.e2el is not None and r.status == "ok"]
         out[kind] = {
             "n": len(rs), "met": met, "attainment": met / len(rs) if rs else None,
-            "goodput_tokens": gp, "goodput_tok_s": gp / duration,
+            "goodput_tokens": gp, "goodput_tok_s": gp / duration, "goodput_req_s": met / duration,
             "rejected": sum(r.status == "rejected" for r in rs), "errors": sum(r.status == "error" for r in rs),
             "unfinished": sum(r.status == "unfinished" for r in rs),
             "p50_ttft": _pct(ttfts, 0.5), "p95_ttft": _pct(ttfts, 0.95),
+            "p50_tbt": _pct(tbts, 0.5), "p95_tbt": _pct(tbts, 0.95),
             "p50_e2el": _pct(e2els, 0.5), "p95_e2el": _pct(e2els, 0.95),
         }
     met_t = [t for t in tasks if t.get("outcome") == "succeeded"]
@@ -75,17 +81,20 @@ def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duratio
           and t.get("elapsed") is not None and math.isfinite(float(t["elapsed"]))]
     out["compound"] = {
         "n": len(tasks), "met": len(met_t), "attainment": len(met_t) / len(tasks) if tasks else None,
-        "goodput_tokens": gp_t, "goodput_tok_s": gp_t / duration,
-        "rejected": 0, "errors": sum(t.get("outcome") == "failed" for t in tasks),
+        "goodput_tokens": gp_t, "goodput_tok_s": gp_t / duration, "goodput_req_s": len(met_t) / duration,
+        "rejected": sum(t.get("outcome") == "rejected" for t in tasks),
+        "errors": sum(t.get("outcome") == "failed" for t in tasks),
         "unfinished": sum(t.get("outcome") == "unfinished" for t in tasks),
         "deadline_missed": sum(t.get("outcome") == "deadline_missed" for t in tasks),
-        "p50_ttft": None, "p95_ttft": None, "p50_e2el": _pct(el, 0.5), "p95_e2el": _pct(el, 0.95),
+        "p50_ttft": None, "p95_ttft": None, "p50_tbt": None, "p95_tbt": None, "p50_e2el": _pct(el, 0.5), "p95_e2el": _pct(el, 0.95),
     }
     n_all = sum(out[k]["n"] for k in KINDS)
     met_all = sum(out[k]["met"] for k in KINDS)
     gp_all = sum(out[k]["goodput_tokens"] for k in KINDS)
     out["all"] = {"n": n_all, "met": met_all, "attainment": met_all / n_all if n_all else None,
-                  "goodput_tokens": gp_all, "goodput_tok_s": gp_all / duration}
+                  "goodput_tokens": gp_all, "goodput_tok_s": gp_all / duration, "goodput_req_s": met_all / duration,
+                  "rejected": sum(out[k]["rejected"] for k in KINDS),
+                  "failed_tasks": out["compound"]["errors"]}
     return out
 
 
@@ -95,6 +104,7 @@ class RunResult:
     """One load run under one policy."""
 
     policy: str
+    phase: str = ""
     records: list[ReqRecord] = field(default_factory=list)
     tasks: list[dict[str, Any]] = field(default_factory=list)
     wall: float = 0.0

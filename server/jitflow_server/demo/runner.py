@@ -29,24 +29,35 @@ def _import_examples() -> tuple[Any, Any]:
     return run_research, run_tot
 
 
+#: A client gives up on a deadline request or an agent task this long after its deadline (s): by then it
+#: has missed its SLO whatever happens, and a real client would stop waiting. Same rule for every policy.
+GIVE_UP_AFTER = 5.0
+
+
 async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) -> ReqRecord:
+    import anyio
+
     import jitflow
 
     msgs = [{"role": "user", "content": job.prompt or ""}]
+    limit = None if job.kind == "chat" else (job.deadline or cfg.deadline) + GIVE_UP_AFTER
     try:
-        if job.kind == "chat":
-            stream = await client.chat.completions.create(
-                model=model, messages=msgs, max_tokens=job.max_tokens, stream=True,
-                slo=jitflow.Latency(ttft=cfg.ttft, tbt=cfg.tbt))
-            async with stream:
-                async for _ in stream:
-                    pass
-            timing, usage = stream.timing, stream.usage
-        else:
-            r = await client.chat.completions.create(
-                model=model, messages=msgs, max_tokens=job.max_tokens,
-                slo=jitflow.Deadline(job.deadline or cfg.deadline))
-            timing, usage = r.jitflow, r.usage
+        with anyio.fail_after(limit):
+            if job.kind == "chat":
+                stream = await client.chat.completions.create(
+                    model=model, messages=msgs, max_tokens=job.max_tokens, stream=True,
+                    slo=jitflow.Latency(ttft=cfg.ttft, tbt=cfg.tbt))
+                async with stream:
+                    async for _ in stream:
+                        pass
+                timing, usage = stream.timing, stream.usage
+            else:
+                r = await client.chat.completions.create(
+                    model=model, messages=msgs, max_tokens=job.max_tokens,
+                    slo=jitflow.Deadline(job.deadline or cfg.deadline))
+                timing, usage = r.jitflow, r.usage
+    except TimeoutError:
+        return ReqRecord(job.kind, job.t, "unfinished", error=f"client gave up {GIVE_UP_AFTER:g} s after the deadline")
     except jitflow.AdmissionRejectedError as e:
         return ReqRecord(job.kind, job.t, "rejected", error=str(e)[:200])
     except Exception as e:  # jitflow.APIError and anything unexpected: counted, never fatal to the demo
@@ -56,7 +67,7 @@ async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) 
         rec.prompt_tokens, rec.output_tokens = usage.prompt_tokens, usage.completion_tokens
     if timing is not None:
         rec.slo_met = bool(timing.slo_met)
-        rec.ttft, rec.e2el = timing.ttft, timing.e2el
+        rec.ttft, rec.e2el, rec.tbt = timing.ttft, timing.e2el, timing.tbt_mean
         extra = timing.model_extra or {}
         if isinstance(extra.get("token_goodput"), int):
             rec.goodput = extra["token_goodput"]
@@ -67,7 +78,7 @@ async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) 
 
 
 async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: Any,
-                   model: str | None = None) -> RunResult:
+                   model: str | None = None, phase: str = "") -> RunResult:
     """Drive ``plan`` against the server at ``url`` (open loop) and collect the outcomes.
 
     Jobs start at their offsets; after the last arrival the run waits at most ``cfg.grace``
@@ -80,7 +91,8 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
     import jitflow
 
     run_research, run_tot = _import_examples()
-    res = RunResult(policy)
+    res = RunResult(policy, phase=phase)
+    label = f"{policy} · {phase}" if phase else policy
     done: dict[int, Any] = {}
     started: set[int] = set()
     transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
@@ -96,11 +108,16 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                 return
             app = "deep-research" if job.kind == "research" else "tree-of-thoughts"
             try:
-                if job.kind == "research":
-                    r = await run_research(job.prompt, deadline=job.deadline, client=client, model=model)
-                else:
-                    r = await run_tot(job.numbers, deadline=job.deadline, client=client, model=model)
+                with anyio.fail_after((job.deadline or 0) + GIVE_UP_AFTER):
+                    if job.kind == "research":
+                        r = await run_research(job.prompt, deadline=job.deadline, client=client, model=model)
+                    else:
+                        r = await run_tot(job.numbers, deadline=job.deadline, client=client, model=model)
                 done[job.idx] = r.report.to_dict()
+            except TimeoutError:
+                done[job.idx] = {"app": app, "task_id": "", "outcome": "deadline_missed", "deadline": job.deadline,
+                                 "elapsed": None, "stages": [], "tokens": 0,
+                                 "error": f"client gave up {GIVE_UP_AFTER:g} s after the deadline"}
             except Exception as e:  # an app bug must not abort the whole demo: report it as failed
                 done[job.idx] = {"app": app, "task_id": "", "outcome": "failed", "deadline": job.deadline,
                                  "elapsed": None, "stages": [], "tokens": 0, "error": f"{type(e).__name__}: {e}"}
@@ -108,14 +125,14 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
         jobs = [j for j in plan.jobs if j.kind in ("chat", "deadline") or run_research is not None]
         t0 = time.monotonic()
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as prog:
-            bar = prog.add_task(f"[{policy}] load", total=cfg.duration)
+            bar = prog.add_task(f"[{label}] load", total=cfg.duration)
 
             def describe(phase: str) -> str:
                 c = {k: 0 for k in ("chat", "deadline", "research", "tot")}
                 for j in jobs:
                     if j.idx in done:
                         c[j.kind] += 1
-                return (f"[{policy}] {phase}: done chat {c['chat']} deadline {c['deadline']} "
+                return (f"[{label}] {phase}: done chat {c['chat']} deadline {c['deadline']} "
                         f"research {c['research']} tot {c['tot']} / {len(jobs)}; in flight {len(started) - len(done)}")
 
             async def ticker() -> None:
@@ -132,7 +149,11 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                         if delay > 0:
                             await anyio.sleep(delay)
                         jobs_tg.start_soon(run_job, job)
-                    wait_end = max(t0 + cfg.duration - time.monotonic(), 0) + cfg.grace
+                    # Chat requests get ``grace`` s after the load; deadline requests and tasks until the
+                    # client gives up on them (GIVE_UP_AFTER s past their deadline).
+                    give_up = max([j.t + (j.deadline or 0) + GIVE_UP_AFTER + 1 for j in jobs if j.kind != "chat"],
+                                  default=0.0)
+                    wait_end = max(cfg.duration + cfg.grace, give_up) + t0 - time.monotonic()
                     with anyio.move_on_after(wait_end):
                         while len(done) < len(jobs):
                             await anyio.sleep(0.2)

@@ -37,6 +37,8 @@ PLUGIN_CLS = "jitflow_server.engine.plugin.JitflowScheduler"
 #: 98 ms in float32, a 1,024-token prefill 11.4 s and 2.3 s (docs/demo-model.md).
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
+#: ``EngineConfig.scheduler`` values: the jitflow plug-in, or stock vLLM (no plug-in).
+SCHEDULERS = ("jitflow", "vllm")
 
 
 def _cpu_flags() -> set[str]:
@@ -100,6 +102,11 @@ class EngineConfig:
             demo's 131,072 tokens (:func:`kv_cache_gib_for`).
         dtype: model dtype, ``auto`` = :func:`engine_dtype` (bf16 only where the hardware has it).
         structured_outputs: enable the guidance backend for ``response_format``.
+        scheduler: ``jitflow`` (the plug-in runs ``policy``) or ``vllm``: stock vLLM, no plug-in
+            (vLLM's own FCFS ``Scheduler`` with ``max_num_seqs = batch_size``). Under ``vllm`` nothing
+            of jitflow reaches the engine: admission control never removes a request, hint updates
+            and policy switches are refused or ignored (see :meth:`VLLMEngine._call`). The baseline
+            ``jitflow demo`` and ``jitflow bench engine`` compare against.
     """
 
     model: Path
@@ -113,6 +120,11 @@ class EngineConfig:
     structured_outputs: bool = True
     dtype: str = "auto"
     seed: int = 0
+    scheduler: str = "jitflow"
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
 
 
 class VLLMEngine:
@@ -151,6 +163,10 @@ class VLLMEngine:
             additional_config={"jitflow": {"policy": c.policy, "params": c.policy_params,
                                            "batch_size": c.batch_size}},
         )
+        if self.stock:
+            # Stock vLLM as its users run it: the default scheduler, B concurrent sequences.
+            del kwargs["scheduler_cls"], kwargs["additional_config"]
+            kwargs["max_num_seqs"] = c.batch_size
         if c.structured_outputs:
             kwargs["structured_outputs_config"] = {"backend": "guidance", "disable_any_whitespace": True}
         try:
@@ -160,6 +176,11 @@ class VLLMEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(c.model))
+
+    @property
+    def stock(self) -> bool:
+        """True when the engine runs stock vLLM scheduling (no jitflow plug-in)."""
+        return self.config.scheduler == "vllm"
 
     def _llm(self):
         if self.llm is None:
@@ -244,7 +265,22 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------------------- control
     async def _call(self, call: EngineCall, payload: dict | None = None) -> Any:
-        """One control call answered by ``JitflowScheduler.control`` in the engine-core process."""
+        """One control call answered by ``JitflowScheduler.control`` in the engine-core process.
+
+        With stock vLLM (no plug-in) there is no one to answer: admission control removes nothing,
+        hint updates are dropped, diagnostics are empty, and a policy switch raises ``ValueError``.
+        """
+        if self.stock:
+            self._llm()
+            if call is EngineCall.SET_POLICY:
+                raise ValueError("this server runs stock vLLM scheduling (--scheduler vllm); "
+                                 "restart it with --scheduler jitflow to choose a policy")
+            if call is EngineCall.STATS:
+                return {"policy": "vllm", "scheduler": "vllm", "params": {}, "batch_size": self.config.batch_size,
+                        "unfinished": self.num_unfinished_frontend()}
+            if call is EngineCall.PLAN:
+                return {}
+            return {} if call in (EngineCall.UPDATE, EngineCall.REJECT_WAITING) else []
         from jitflow_server.engine.plugin import CONTROL_METHOD
 
         return await self._llm().engine_core.call_utility_async(CONTROL_METHOD, call.value, payload or {})

