@@ -8,7 +8,6 @@ passed through to vLLM's structured-output backend); loops are bounded by counts
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -78,12 +77,10 @@ def parse_json_object(text: str | None, default: dict[str, Any]) -> tuple[dict[s
     return json.loads(json.dumps(default)), False
 
 
-def call_seed(messages: list[dict[str, Any]], name: str) -> int:
-    """Sampling seed of one call, a hash of its messages and schema name: the same task makes the same
-    calls and the same decisions on every run and under every scheduler (the demo compares schedulers on
-    identical work), whatever order concurrent calls are sent in."""
-    digest = hashlib.sha256(json.dumps([name, messages], sort_keys=True).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+#: Temperature of the agents' calls unless a call says otherwise: greedy decoding, so a task makes the same
+#: calls and decisions on every run and under every scheduler (the demo compares schedulers on identical
+#: work). A per-call ``seed`` would do the same on a GPU; vLLM's CPU worker crashes on seeded requests.
+DEFAULT_TEMPERATURE = 0.0
 
 
 async def chat_json(
@@ -110,7 +107,8 @@ async def chat_json(
     Raises:
         jitflow.APIError: the call failed (the SDK retries admission rejections first, within the task's deadline).
     """
-    r = await st.chat(messages, max_tokens=max_tokens, temperature=temperature, seed=call_seed(messages, name),
+    r = await st.chat(messages, max_tokens=max_tokens,
+                      temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
                       response_format=json_format(name, schema))
     data, valid = parse_json_object(r.content, default)
     out = r.usage.completion_tokens if r.usage is not None else 0
@@ -124,7 +122,8 @@ async def chat_text(st: jitflow.Stage, messages: list[dict[str, Any]], *, max_to
     Raises:
         jitflow.APIError: the call failed (the SDK retries admission rejections first, within the task's deadline).
     """
-    r = await st.chat(messages, max_tokens=max_tokens, temperature=temperature, seed=call_seed(messages, "text"))
+    r = await st.chat(messages, max_tokens=max_tokens,
+                      temperature=DEFAULT_TEMPERATURE if temperature is None else temperature)
     return r.content or ""
 
 

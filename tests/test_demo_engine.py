@@ -52,6 +52,9 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
         assert sorted(t["input"] for t in a["tasks"]) == sorted(t["input"] for t in b["tasks"])
         assert a["summary"]["compound"]["n"] >= 2
     assert report["failed_tasks"] == 0
+    for side in ("vllm", "gmax"):
+        probe = report["speed_probe_tbt_s"][side]
+        assert probe["before"] > 0 and probe["after"] > 0
     # The burst phase offers more than the normal phase.
     n_normal, n_burst = (sum(report["phases"][i]["counts"].values()) for i in (0, 1))
     assert n_burst > n_normal

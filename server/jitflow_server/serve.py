@@ -33,6 +33,18 @@ def parse_params(params: list[str]) -> dict:
     return out
 
 
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (``localhost``, 127.0.0.0/8, ``::1``)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def served_policies() -> list[str]:
     """The policies a real engine can run (every policy but the simulator-only ones)."""
     from jitflow_server.scheduler import POLICY_NAMES
@@ -75,6 +87,13 @@ def register(app: typer.Typer) -> None:
                                                         "request (prompt features + observed length) for "
                                                         "`jitflow analyzer train-length` (env JITFLOW_LENGTH_TELEMETRY)."),
         log_level: str = typer.Option("warning", help="uvicorn log level."),
+        api_key: Optional[str] = typer.Option(None, envvar="JITFLOW_API_KEY", help="An admin API key of the "
+                                              "default tenant; clients send 'Authorization: Bearer KEY' "
+                                              "(env JITFLOW_API_KEY)."),
+        api_keys_file: Optional[Path] = typer.Option(None, help='Keys with tenants and scopes: JSON {"keys": '
+                                                      '[{"key", "tenant", "scope": "user"|"admin"}]} '
+                                                      "(docs/security.md)."),
+        insecure: bool = typer.Option(False, help="Allow a non-loopback --host without API keys."),
     ) -> None:
         """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
         import os
@@ -83,6 +102,7 @@ def register(app: typer.Typer) -> None:
 
         from jitflow_server.api.app import ServerSettings, create_app
         from jitflow_server.engine.demo_model import resolve_model
+        from jitflow_server.engine.reaper import start_orphan_reaper
         from jitflow_server.engine.vllm_engine import DTYPES, SCHEDULERS, EngineConfig, VLLMEngine
         from jitflow_server.scheduler import POLICY_NAMES, make_policy
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
@@ -90,6 +110,15 @@ def register(app: typer.Typer) -> None:
         if dtype not in DTYPES:
             raise typer.BadParameter(f"choose one of {list(DTYPES)}", param_hint="--dtype")
 
+        from jitflow_server.api.auth import KeysError, load_keys
+
+        try:
+            keys = load_keys(api_key, api_keys_file)
+        except (KeysError, OSError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--api-keys-file" if api_keys_file else "--api-key") from None
+        if not keys and not insecure and not is_loopback(host):
+            raise typer.BadParameter(f"{host} is reachable from other machines and no API key is configured: "
+                                     "set --api-key / --api-keys-file, or pass --insecure", param_hint="--host")
         if scheduler not in SCHEDULERS:
             raise typer.BadParameter(f"choose one of {list(SCHEDULERS)}", param_hint="--scheduler")
         if engine != "vllm":
@@ -118,7 +147,9 @@ def register(app: typer.Typer) -> None:
                            dtype=dtype, scheduler=scheduler)
         what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
         typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
-        settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor)
+        settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
+                                  api_keys=keys)
+        start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
         uvicorn.run(create_app(VLLMEngine(cfg), settings, owns_engine=True), host=host, port=port,
                     log_level=log_level, timeout_graceful_shutdown=5)
 
@@ -143,6 +174,7 @@ def register(app: typer.Typer) -> None:
         import sys
 
         from jitflow_server.engine.demo_model import resolve_model
+        from jitflow_server.engine.reaper import start_orphan_reaper
         from jitflow_server.engine.vllm_engine import PLUGIN_CLS, engine_dtype, kv_cache_gib_for
         from jitflow_server.scheduler import POLICY_NAMES
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
@@ -161,4 +193,5 @@ def register(app: typer.Typer) -> None:
                "--max-num-seqs", str(2 * batch_size), "--dtype", dtype, *ctx.args]
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(round(kv_cache_gib_for(dtype, None))))
         typer.echo("jitflow: " + " ".join(cmd), err=True)
+        start_orphan_reaper()  # watches this pid, which execv keeps
         os.execv(sys.executable, cmd)

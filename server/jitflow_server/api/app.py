@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jitflow_server.api.admin import register_admin_routes
+from jitflow_server.api.auth import Auth
 from jitflow_server.api.limits import BodySizeLimit
 from jitflow_server.api.schemas import APIError, ChatCompletionRequest, CompletionRequest
 from jitflow_server.api.serving import serve_request
@@ -111,6 +112,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
 
     app = FastAPI(title="jitflow", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Auth, keys=settings.api_keys)  # outermost: no body is read before the key is checked
     app.state.jitflow = state
     register_task_routes(app, state)
     register_admin_routes(app, state)

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from jitflow_server.analyzer.advisor import resolve_len_bound
+from jitflow_server.api.auth import request_tenant
 from jitflow_server.api.calls import LiveCall
 from jitflow_server.api.limits import check_json_schema
 from jitflow_server.api.schemas import SLO, APIError
@@ -89,6 +90,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
                         prompt_text: str = ""):
     """Serve one chat or text completion (see the module docstring). Raises ``APIError``."""
     arrival = time.time()
+    tenant = request_tenant(request)
     bad = reserved_keys(body.vllm_xargs)
     if bad:
         raise APIError(400, f"vllm_xargs key {bad[0]!r} is reserved: jitflow sets scheduling hints itself",
@@ -107,7 +109,8 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
     advice = None
     app_name = None
     if state.tasks is not None and task_ctx is not None:
-        advice = state.tasks.advise_call(task_ctx, body.model, rid, len(prompt_ids), max_tokens, timing)
+        advice = state.tasks.advise_call(task_ctx, body.model, rid, len(prompt_ids), max_tokens, timing,
+                                         tenant)
         timing.slo = advice.slo
         timing.sub_deadline = advice.sub_deadline
         app_name = advice.app
@@ -166,11 +169,11 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
         span.end()
         await call.close()
         if state.tasks is not None and task_ctx is not None:
-            state.tasks.on_call_end(task_ctx, rid, timing, ok=False)
+            state.tasks.on_call_end(task_ctx, rid, timing, ok=False, tenant=tenant)
         raise
     state.waiting_first_token -= 1
     state.event(time.time(), "first_token", rid)
-    finish = _Finisher(state, call, span, task_ctx)
+    finish = _Finisher(state, call, span, task_ctx, tenant)
     if not body.stream:
         return await _respond_json(state, call, first, finish, chat, request)
     return StreamingResponse(_respond_stream(state, call, first, finish, chat), media_type="text/event-stream",
@@ -180,8 +183,8 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
 class _Finisher:
     """Records the outcome of one call exactly once: metrics, length telemetry, task graph, span."""
 
-    def __init__(self, state: ServerState, call: LiveCall, span, task_ctx) -> None:
-        self.state, self.call, self.span, self.task_ctx = state, call, span, task_ctx
+    def __init__(self, state: ServerState, call: LiveCall, span, task_ctx, tenant: str = "") -> None:
+        self.state, self.call, self.span, self.task_ctx, self.tenant = state, call, span, task_ctx, tenant
         self.summary: dict | None = None
 
     def __call__(self, ok: bool) -> dict:
@@ -207,7 +210,7 @@ class _Finisher:
             outcome = "slo_met" if summary["slo_met"] else "slo_missed"
         state.metrics.observe(timing, outcome, summary)
         if state.tasks is not None and self.task_ctx is not None:
-            state.tasks.on_call_end(self.task_ctx, call.rid, timing, ok=ok)
+            state.tasks.on_call_end(self.task_ctx, call.rid, timing, ok=ok, tenant=self.tenant)
         end_request_span(self.span, timing, summary, call.finish_reason)
         return summary
 

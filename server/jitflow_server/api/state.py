@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jitflow_server.api.auth import APIKey
 from jitflow_server.api.limits import DEFAULT_MAX_BODY_BYTES
 from jitflow_server.engine.protocol import Engine
 from jitflow_server.scheduler.hints import HintUpdate
@@ -35,7 +36,8 @@ class ServerSettings:
     ``length_predictor``: run the output-length predictor (QRF, JITServe §4.1); ``bound_push_period``:
     the longest a refined length bound waits before it is sent to the engine (s; it is sent at once
     when the predictor publishes it); ``max_body_bytes``: the largest request body (bytes; larger ones
-    get 413 before they are parsed, ``api/limits.py``).
+    get 413 before they are parsed, ``api/limits.py``); ``api_keys``: the accepted keys with their
+    tenants and scopes (empty: no authentication, ``api/auth.py``).
     """
 
     default_waiting_time: float = 5.0
@@ -44,6 +46,7 @@ class ServerSettings:
     length_predictor: bool = True
     bound_push_period: float = 0.1
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_keys: dict[str, APIKey] = field(default_factory=dict)
 
 
 class ServerState:

@@ -8,7 +8,7 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 OUTCOMES = ("succeeded", "failed", "deadline_missed", "cancelled")
 
@@ -64,8 +64,8 @@ _Name = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 def _finite_time(v: float | None) -> float | None:
-    if v is not None and not math.isfinite(v):
-        raise ValueError("must be a finite number of seconds")
+    if v is not None and not (math.isfinite(v) and v >= 0):
+        raise ValueError("must be a finite, non-negative unix time in seconds")
     return v
 
 
@@ -102,6 +102,12 @@ class CallEvent(_EventBase):
 
     _t = field_validator("start", "end")(_finite_time)
 
+    @model_validator(mode="after")
+    def _ends_after_start(self) -> CallEvent:
+        if self.start is not None and self.end is not None and self.end < self.start:
+            raise ValueError(f"end ({self.end}) is before start ({self.start})")
+        return self
+
 
 TaskEvent = Annotated[StageEvent | CallEvent, Field(discriminator="type")]
 
@@ -119,4 +125,6 @@ class TaskComplete(BaseModel):
 
     outcome: Literal["succeeded", "failed", "deadline_missed", "cancelled"]
     end_time: float | None = None
-    error: str | None = None
+    error: str | None = Field(None, max_length=2000)
+
+    _t = field_validator("end_time")(_finite_time)

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
 from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, TokenTimeModel
+from jitflow_server.api.auth import request_tenant, tenants
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.task_bodies import (  # noqa: F401  (re-exported: the endpoints' bodies)
     ABANDONED_AFTER_S,
@@ -104,6 +105,12 @@ class _Node:
     request_id: str | None = None
 
 
+def tenant_key(tenant: str, name: str) -> str:
+    """The internal name of a task id or application name of ``tenant`` (``tenant/name``; unchanged for
+    the default tenant ``""``). Tenant names cannot contain ``/`` (``api/auth.py``), so keys never collide."""
+    return f"{tenant}/{name}" if tenant else name
+
+
 @dataclass
 class TaskState:
     """Server-side state of one compound task (times are unix seconds)."""
@@ -123,6 +130,12 @@ class TaskState:
     end_time: float | None = None
     implicit: bool = False
     stored_graph_id: int | None = None
+    tenant: str = ""
+
+    @property
+    def public_app(self) -> str:
+        """The application name as the tenant sent it (``app`` is kept as ``tenant/app`` internally)."""
+        return self.app[len(self.tenant) + 1:] if self.tenant and self.app.startswith(self.tenant + "/") else self.app
 
     def view(self) -> dict:
         """JSON view for ``GET /v1/tasks/{id}``."""
@@ -141,7 +154,7 @@ class TaskState:
             stages.append({"index": s, "name": self.stage_names.get(s), "sub_deadline": self.sub_deadlines.get(s),
                            "end": max(ends) if ends else None, "calls": calls,
                            **self.stage_times.get(s, {})})
-        return {"task_id": self.task_id, "app": self.app, "deadline": self.deadline, "start_time": self.t0,
+        return {"task_id": self.task_id, "app": self.public_app, "deadline": self.deadline, "start_time": self.t0,
                 "absolute_deadline": self.t0 + self.deadline, "outcome": self.outcome, "error": self.error,
                 "end_time": self.end_time, "metadata": self.metadata, "stages": stages, "matched": self.matched,
                 "stored_graph_id": self.stored_graph_id, "implicit": self.implicit}
@@ -156,11 +169,13 @@ class TaskManager:
         telemetry_path: JSONL file receiving one record per finished LLM call of a task
             (``app, stage, model, input_len, output_len``) for the length predictor.
         max_tasks: finished tasks kept in memory for ``GET /v1/tasks/{id}``.
+        tenants: tenants besides the default one (``api/auth.py``); each gets its own copy of ``patterns``
+            as initial history (its applications are ``tenant/app`` in the store).
     """
 
     def __init__(self, db_path: str | Path | None = None, patterns: list[Path] | None = None,
                  telemetry_path: Path | None = None, max_tasks: int = 10_000,
-                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL) -> None:
+                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL, tenants: list[str] | None = None) -> None:
         from jitflow_server.analyzer.matcher import Matcher
         from jitflow_server.store.history import HistoryStore, default_db_path
 
@@ -168,7 +183,7 @@ class TaskManager:
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = HistoryStore(self.db_path)
         if patterns:
-            self._import(patterns)
+            self._import(patterns, tenants or [])
         self.matcher = Matcher(self.store)
         self.advisor = CompoundAdvisor("pattern", matcher_for=lambda app: self.matcher, time_model=time_model,
                                        stats=AppStats(typical_stages=self.store.typical_stages))
@@ -176,31 +191,44 @@ class TaskManager:
         self.max_tasks = max_tasks
         self.telemetry_path = telemetry_path
 
-    def _import(self, paths: list[Path]) -> None:
+    def _import(self, paths: list[Path], tenants: list[str]) -> None:
+        import copy
+
         from jitflow_server.store.jsonl import read_jsonl
 
         n = 0
         for p in paths:
             graphs = list(read_jsonl(p))
             self.store.insert_many(graphs)
+            for tenant in tenants:  # each tenant's own copy, under its own application names
+                copies = []
+                for g in graphs:
+                    c = copy.copy(g)
+                    c.app = tenant_key(tenant, g.app)
+                    copies.append(c)
+                self.store.insert_many(copies)
             n += len(graphs)
-        logger.info("imported %d pattern graphs from %s", n, [str(p) for p in paths])
+        logger.info("imported %d pattern graphs from %s (for %d tenants besides the default)", n,
+                    [str(p) for p in paths], len(tenants))
 
     # ----------------------------------------------------------------- tasks
-    def create(self, body: TaskCreate) -> TaskState:
-        """Register a task (idempotent for the same id). Raises ``APIError(409)`` if it already ended."""
-        t = self.tasks.get(body.task_id)
+    def create(self, body: TaskCreate, tenant: str = "") -> TaskState:
+        """Register a task of ``tenant`` (idempotent for the same id). Raises ``APIError(409)`` if it
+        already ended."""
+        key = tenant_key(tenant, body.task_id)
+        t = self.tasks.get(key)
         if t is not None:
             if t.outcome is not None:
                 raise APIError(409, f"task {body.task_id!r} has already completed", param="task_id",
                                type="conflict")
             if t.implicit:  # first call arrived before registration: adopt the declared deadline
                 t.deadline, t.implicit = body.deadline, False
-                t.app = body.app
+                t.app = tenant_key(tenant, body.app)
                 t.metadata = _with_client_start(body)
             return t
-        t = TaskState(body.task_id, body.app, body.deadline, time.time(), _with_client_start(body))
-        self.tasks[body.task_id] = t
+        t = TaskState(body.task_id, tenant_key(tenant, body.app), body.deadline, time.time(),
+                      _with_client_start(body), tenant=tenant)
+        self.tasks[key] = t
         self._trim()
         return t
 
@@ -221,20 +249,30 @@ class TaskManager:
                 logger.info("task %s dropped: its deadline passed and it was never completed", k)
                 del self.tasks[k]
 
-    def get(self, task_id: str) -> TaskState:
-        """The task; raises ``APIError(404)``."""
-        t = self.tasks.get(task_id)
+    def get(self, task_id: str, tenant: str = "") -> TaskState:
+        """The task of ``tenant``; raises ``APIError(404)`` (also for another tenant's task)."""
+        t = self.tasks.get(tenant_key(tenant, task_id))
         if t is None:
             raise APIError(404, f"task {task_id!r} not found", param="task_id", type="not_found_error")
         return t
 
-    def events(self, task_id: str, events: list[StageEvent | CallEvent]) -> int:
+    def events(self, task_id: str, events: list[StageEvent | CallEvent], tenant: str = "") -> int:
         """Apply SDK events (stage_start/stage_end/tool/llm); returns how many were applied. A call may not
         name itself as a parent (``APIError(400)``, param ``events[i].parents``)."""
-        t = self.get(task_id)
+        t = self.get(task_id, tenant)
         for i, ev in enumerate(events):
             if isinstance(ev, CallEvent) and ev.call_id is not None and ev.call_id in ev.parents:
                 raise APIError(400, f"events[{i}]: a call cannot be its own parent", param=f"events[{i}].parents")
+        times = {cid: (n.start, n.end) for cid, n in t.nodes.items()}  # checked before anything is applied
+        for i, ev in enumerate(events):
+            if isinstance(ev, CallEvent) and ev.call_id is not None:
+                start, end = times.get(ev.call_id, (None, None))
+                start = ev.start if ev.start is not None else start
+                end = ev.end if ev.end is not None else end
+                if start is not None and end is not None and end < start:
+                    raise APIError(400, f"events[{i}]: call {ev.call_id!r} would end ({end}) before it started "
+                                   f"({start})", param=f"events[{i}].end")
+                times[ev.call_id] = (start, end)
         new_calls = {ev.call_id for ev in events if isinstance(ev, CallEvent)} - set(t.nodes)
         if len(t.nodes) + len(new_calls) > MAX_TASK_CALLS:
             raise APIError(400, f"a task may record at most {MAX_TASK_CALLS} calls", param="events")
@@ -260,9 +298,9 @@ class TaskManager:
             t.nodes[cid] = node
         return len(events)
 
-    def complete(self, task_id: str, body: TaskComplete) -> TaskState:
+    def complete(self, task_id: str, body: TaskComplete, tenant: str = "") -> TaskState:
         """Record the outcome and store the finished pattern graph in the history store."""
-        t = self.get(task_id)
+        t = self.get(task_id, tenant)
         if t.outcome is not None:
             return t
         t.outcome = body.outcome
@@ -270,7 +308,11 @@ class TaskManager:
         t.end_time = body.end_time or time.time()
         if t.outcome == "succeeded" and t.end_time > t.t0 + t.deadline:
             t.outcome = "deadline_missed"
-        graph = self._graph(t, final=True)
+        try:
+            graph = self._graph(t, final=True)
+        except ValueError as exc:  # PatternFormatError: the events do not form a valid graph
+            logger.warning("task %s not stored: %s", task_id, exc)
+            graph = None
         if graph is not None and graph.n_stages > 0:
             try:
                 t.stored_graph_id = self.store.insert(graph)
@@ -308,7 +350,7 @@ class TaskManager:
             return None
 
     def advise_call(self, ctx, model: str, rid: str, prompt_tokens: int, max_tokens: int,
-                    timing) -> CallAdvice:
+                    timing, tenant: str = "") -> CallAdvice:
         """Extend the task's partial graph with an LLM call and return the advice for its stage.
 
         ``ctx`` is the request's ``jitflow`` task context, ``timing`` its ``RequestTiming`` (arrival, unix
@@ -316,14 +358,15 @@ class TaskManager:
         without ``slo.deadline`` and ``APIError(409)`` for a call of a completed task.
         """
         now = timing.arrival
-        t = self.tasks.get(ctx.task_id)
+        key = tenant_key(tenant, ctx.task_id)
+        t = self.tasks.get(key)
         if t is None:  # first call before (or without) registration: an implicit task
             d = timing.slo.deadline
             if d is None:
                 raise APIError(400, f"task {ctx.task_id!r} is not registered and the call has no slo.deadline",
                                param="jitflow.task_id")
-            t = TaskState(ctx.task_id, "unknown", d, now, implicit=True)
-            self.tasks[ctx.task_id] = t
+            t = TaskState(ctx.task_id, tenant_key(tenant, "unknown"), d, now, implicit=True, tenant=tenant)
+            self.tasks[key] = t
             self._trim()
         if t.outcome is not None:
             raise APIError(409, f"task {ctx.task_id!r} has already completed", param="jitflow.task_id",
@@ -347,9 +390,9 @@ class TaskManager:
                           task_rem_gen_time=advice.task_rem_gen_time, len_bound=bound,
                           len_samples=advice.len_samples if bound is not None else None, stage_pos=stage_pos)
 
-    def on_call_end(self, ctx, rid: str, timing, ok: bool) -> None:
+    def on_call_end(self, ctx, rid: str, timing, ok: bool, tenant: str = "") -> None:
         """Record the finished call's lengths and times in the task's graph."""
-        t = self.tasks.get(ctx.task_id)
+        t = self.tasks.get(tenant_key(tenant, ctx.task_id))
         if t is None:
             return
         cid = ctx.call_id or rid
@@ -401,7 +444,8 @@ async def attach_tasks(app: FastAPI, state) -> None:
     patterns = [Path(p) for p in os.environ.get("JITFLOW_PATTERNS", "").split(os.pathsep) if p]
     tele = os.environ.get("JITFLOW_TELEMETRY")
     tm = time_model_from_env()
-    state.tasks = await asyncio.to_thread(TaskManager, None, patterns, Path(tele) if tele else None, 10_000, tm)
+    state.tasks = await asyncio.to_thread(TaskManager, None, patterns, Path(tele) if tele else None, 10_000, tm,
+                                          tenants(state.settings.api_keys))
 
 
 def register_task_routes(app: FastAPI, state) -> None:
@@ -413,18 +457,18 @@ def register_task_routes(app: FastAPI, state) -> None:
         return state.tasks
 
     @app.post("/v1/tasks", status_code=201)
-    async def create_task(body: TaskCreate):
-        return mgr().create(body).view()
+    async def create_task(body: TaskCreate, request: Request):
+        return mgr().create(body, request_tenant(request)).view()
 
     @app.post("/v1/tasks/{task_id}/events")
-    async def task_events(task_id: str, body: TaskEvents):
-        return {"applied": mgr().events(task_id, body.events)}
+    async def task_events(task_id: str, body: TaskEvents, request: Request):
+        return {"applied": mgr().events(task_id, body.events, request_tenant(request))}
 
     @app.post("/v1/tasks/{task_id}/complete")
-    async def complete_task(task_id: str, body: TaskComplete):
-        m = mgr()
-        return await asyncio.to_thread(lambda: m.complete(task_id, body).view())
+    async def complete_task(task_id: str, body: TaskComplete, request: Request):
+        m, tenant = mgr(), request_tenant(request)
+        return await asyncio.to_thread(lambda: m.complete(task_id, body, tenant).view())
 
     @app.get("/v1/tasks/{task_id}")
-    async def get_task(task_id: str):
-        return mgr().get(task_id).view()
+    async def get_task(task_id: str, request: Request):
+        return mgr().get(task_id, request_tenant(request)).view()

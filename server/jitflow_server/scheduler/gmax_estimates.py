@@ -190,7 +190,8 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         feasible[i] = g_ok[g]
         goodput[i] = np.where(g_ok, g_tokens, 0.0)[g]
         if marginal is not None:
-            late_next = g_ok & (max_tgen > budget - frame_s)
+            pace = budget if prm.jit_pacing == "task" else np.minimum(budget, stage_rem)
+            late_next = g_ok & (max_tgen > pace - frame_s)
             marginal[i] = np.where(late_next, g_tokens, 0.0)[g]
     if marginal is not None and snap.admit_by is not None:
         # admission control (JITServe §5) rejects a never-scheduled request at admit_by: deferring it

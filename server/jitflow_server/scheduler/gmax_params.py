@@ -69,6 +69,11 @@ class GMAXParams:
       the horizon. Requests that can wait rank by ``jit_fill·goodput/t_gen`` behind the urgent ones
       (work conserving). ``jit_fill`` [0.01], ``jit_horizon`` [2.0]: one decision of slack, since a
       deferred request is only reconsidered at the next frame.
+    - ``jit_pacing`` ["stage"]: when a compound stage group becomes urgent under JIT: "task" once the
+      task's slack (``deadline − now − later stages' estimated time``) is below the horizon; "stage"
+      also once its stage's sub-deadline is that close. The analyzer's estimate of the later stages uses
+      its static time model, far below their real time on a loaded CPU engine, so "task" pacing started
+      tree-of-thoughts stages 25–30 s late in the demo's burst (docs/benchmarks.md, "The demo").
     - ``admit_horizon`` [inf s]: a request that has never been scheduled is *at risk* (marginal = all
       its goodput) once its admission deadline ``admit_by`` (JITServe §5: rejected if not scheduled
       within ``waiting_time``) is closer than this; inf = always. Admission is the one irreversible
@@ -150,6 +155,7 @@ class GMAXParams:
     default_ttft: float = 2.0
     default_tbt: float = 0.1
     compound_feasibility: str = "task"
+    jit_pacing: str = "stage"
     compound_priority: str = "aggregate"
     preemption: bool = True
     preempt_margin: float = 0.1
@@ -185,6 +191,8 @@ class GMAXParams:
             raise ValueError(f"best_effort_deadline must be > 0 s, got {self.best_effort_deadline}")
         if self.compound_feasibility not in ("task", "stage"):
             raise ValueError(f"compound_feasibility must be 'task' or 'stage', got {self.compound_feasibility!r}")
+        if self.jit_pacing not in ("task", "stage"):
+            raise ValueError(f"jit_pacing must be 'task' or 'stage', got {self.jit_pacing!r}")
         if self.starvation_clock not in ("waiting", "arrival", "served"):
             raise ValueError(
                 f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")

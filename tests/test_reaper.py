@@ -1,0 +1,69 @@
+"""No orphans after ``kill -9``: the watcher kills a dead server's descendants (a plain process tree, and a
+real ``jitflow serve`` with its vLLM engine-core and worker processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from jitflow_server.bench.server_process import ServerProcess, free_port, jitflow_command
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    t0 = time.monotonic()
+    alive = procs
+    while alive and time.monotonic() - t0 < timeout:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    return alive
+
+
+def test_children_of_a_killed_parent_are_reaped(tmp_path):
+    script = textwrap.dedent("""
+        import subprocess, sys, time
+        from jitflow_server.engine.reaper import start_orphan_reaper
+        kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+        start_orphan_reaper(poll_s=0.1)
+        print(" ".join(str(k.pid) for k in kids), flush=True)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    tree: list[psutil.Process] = []
+    try:
+        tree = psutil.Process(parent.pid).children(recursive=True)
+        kids = [psutil.Process(int(x)) for x in parent.stdout.readline().split()]
+        tree = psutil.Process(parent.pid).children(recursive=True)
+        time.sleep(0.6)  # the watcher has seen the tree
+        watcher = [c for c in psutil.Process(parent.pid).children() if c.pid not in {k.pid for k in kids}]
+        assert len(kids) == 2 and len(watcher) == 1
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        assert not _wait_gone(kids, 5.0), "children outlived their killed parent"
+        assert not _wait_gone(watcher, 5.0), "the watcher did not exit"
+    finally:  # only this test's processes (the session's server is a child of pytest too)
+        for p in [psutil.Process(parent.pid), *tree] if parent.poll() is None else tree:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+@pytest.mark.engine
+def test_engine_processes_die_with_a_killed_server(tmp_path):
+    srv = ServerProcess(jitflow_command("serve", "--model", "tiny", "--port", str(free_port()), "--history-db",
+                                       str(tmp_path / "h.sqlite"), "--no-length-predictor"),
+                        tmp_path / "server.log")
+    with srv:
+        tree = psutil.Process(srv.proc.pid).children(recursive=True)
+        names = " ".join(p.name() for p in tree)
+        assert len(tree) >= 3, names  # engine core, worker(s), the watcher
+        os.kill(srv.proc.pid, signal.SIGKILL)  # the server only, not its process group
+        srv.proc.wait(10)
+        left = _wait_gone(tree, 10.0)
+        assert not left, f"orphans 10 s after kill -9: {[(p.pid, p.name()) for p in left]}"
