@@ -310,11 +310,17 @@ async def test_task_deadline_bounds_retries():
     assert time.monotonic() - t0 < 0.5 and script.count == 1
 
 
-@pytest.mark.anyio
-async def test_a_call_that_exhausts_its_retries_is_one_failed_record():
+def _tracing() -> tuple[TracerProvider, InMemorySpanExporter]:
+    """A tracer provider exporting finished spans to memory."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@pytest.mark.anyio
+async def test_a_call_that_exhausts_its_retries_is_one_failed_record():
+    provider, exporter = _tracing()
     server = FakeServer()
     script = Script(server, *(rejected("0") for _ in range(3)))
     async with async_client(server, model="demo", telemetry_backoff=0.01, tracer_provider=provider,
@@ -334,9 +340,7 @@ async def test_a_call_that_exhausts_its_retries_is_one_failed_record():
 
 @pytest.mark.anyio
 async def test_a_retried_call_is_one_telemetry_record_and_one_span():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider, exporter = _tracing()
     server = FakeServer()
     script = Script(server, rejected("0"), rejected("0", status=503))
     async with async_client(server, model="demo", telemetry_backoff=0.01, tracer_provider=provider) as client:

@@ -308,11 +308,7 @@ class TaskManager:
         t.end_time = body.end_time or time.time()
         if t.outcome == "succeeded" and t.end_time > t.t0 + t.deadline:
             t.outcome = "deadline_missed"
-        try:
-            graph = self._graph(t, final=True)
-        except ValueError as exc:  # PatternFormatError: the events do not form a valid graph
-            logger.warning("task %s not stored: %s", task_id, exc)
-            graph = None
+        graph = self._graph(t, final=True)
         if graph is not None and graph.n_stages > 0:
             try:
                 t.stored_graph_id = self.store.insert(graph)
@@ -325,27 +321,27 @@ class TaskManager:
     def _graph(self, t: TaskState, final: bool = False):
         from jitflow_server.store.graph import CallNode, PatternFormatError, PatternGraph
 
-        calls = []
-        for n in t.nodes.values():
-            out = n.output_len
-            if final and out is None:
-                out = 0
-            calls.append(CallNode(n.call_id, n.kind, n.name, int(n.input_len), out,
-                                  None if n.start is None else n.start - t.t0,
-                                  None if n.end is None else n.end - t.t0, None,
-                                  [p for p in n.parents if p in t.nodes], n.stage))
-        if not calls:
-            return None
-        # Stage indices must be contiguous for a pattern graph: renumber in order.
-        order = sorted({c.stage for c in calls})
-        remap = {s: i for i, s in enumerate(order)}
-        for c in calls:
-            c.stage = remap[c.stage]
-        names = [t.stage_names.get(s, "") for s in order]
-        try:
+        try:  # a node or graph the client's events make invalid (e.g. a dependency cycle): not a pattern
+            calls = []
+            for n in t.nodes.values():
+                out = n.output_len
+                if final and out is None:
+                    out = 0
+                calls.append(CallNode(n.call_id, n.kind, n.name, int(n.input_len), out,
+                                      None if n.start is None else n.start - t.t0,
+                                      None if n.end is None else n.end - t.t0, None,
+                                      [p for p in n.parents if p in t.nodes], n.stage))
+            if not calls:
+                return None
+            # Stage indices must be contiguous for a pattern graph: renumber in order.
+            order = sorted({c.stage for c in calls})
+            remap = {s: i for i, s in enumerate(order)}
+            for c in calls:
+                c.stage = remap[c.stage]
+            names = [t.stage_names.get(s, "") for s in order]
             return PatternGraph.from_calls(t.app, calls, stage_names=names,
                                            outcome=t.outcome if final else None, task_id=t.task_id)
-        except PatternFormatError as exc:  # e.g. a dependency cycle the client reported: not a pattern
+        except PatternFormatError as exc:
             logger.warning("task %s has no valid pattern graph: %s", t.task_id, exc)
             return None
 

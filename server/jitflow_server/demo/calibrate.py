@@ -36,8 +36,6 @@ DEFAULT_CACHE = Path("~/.cache/jitflow/demo-capacity.json")
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
 
 
-
-
 @dataclass
 class Capacity:
     """One capacity measurement (see the module docstring).
@@ -122,11 +120,11 @@ class CallShape:
     prompt_tokens: int = 0
 
 
-def task_calls(patterns: list[Path]) -> dict[str, list[tuple[int, int]]]:
-    """``{app: [(input tokens, output tokens) of each LLM call of one task], ...}`` flattened per app
-    from pattern corpora (JSONL records ``{"app", "stages": [{"c": [{"k": "llm", "i", "o"}]}]}``).
-    Lines that do not parse are skipped; returns ``{app: [[calls of task 1], ...]}`` as lists of lists."""
-    out: dict[str, list[Any]] = {}
+def task_calls(patterns: list[Path]) -> dict[str, list[list[tuple[int, int]]]]:
+    """``{app: [[(input tokens, output tokens) of each LLM call of task 1], [... task 2], ...]}`` from
+    pattern corpora (JSONL records ``{"app", "stages": [{"c": [{"k": "llm", "i", "o"}]}]}``). Lines that
+    do not parse are skipped."""
+    out: dict[str, list[list[tuple[int, int]]]] = {}
     for p in patterns:
         with contextlib.suppress(OSError):
             for line in p.read_text(encoding="utf-8").splitlines():
@@ -142,7 +140,7 @@ def task_calls(patterns: list[Path]) -> dict[str, list[tuple[int, int]]]:
 
 
 def mix_shapes(chat_items: list[tuple[str, int]], deadline_items: list[tuple[str, int]],
-               tasks: dict[str, list[Any]], mix: BaseMix = BASE_MIX) -> list[CallShape]:
+               tasks: dict[str, list[list[tuple[int, int]]]], mix: BaseMix = BASE_MIX) -> list[CallShape]:
     """The base mix as weighted call shapes: chat and deadline prompts with their ``max_tokens``, and every
     recorded call of the deep-research / Tree-of-Thoughts corpora (weight = task rate / tasks recorded)."""
     shapes = [CallShape(m, mix.chat_rate / len(chat_items), text=t) for t, m in chat_items]

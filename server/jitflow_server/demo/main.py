@@ -24,10 +24,12 @@ from typing import Any
 from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 from jitflow_server.demo.calibrate import (
     DEFAULT_CACHE,
+    CallShape,
     Capacity,
     load_cached,
     machine_key,
     measure_capacity,
+    mix_demand,
     mix_shapes,
     save_cached,
     task_calls,
@@ -199,7 +201,7 @@ def _warmup(url: str) -> None:
             "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}, timeout=120)
 
 
-def _mix(opts: DemoOptions, patterns: list[Path]) -> list[Any]:
+def _mix(opts: DemoOptions, patterns: list[Path]) -> list[CallShape]:
     base = build_plan(phase_config(1.0, 300.0, opts.seed, opts.slos), opts.data_dir)
     chat = [(j.prompt or "", j.max_tokens) for j in base.jobs if j.kind == "chat"]
     dl = [(j.prompt or "", j.max_tokens) for j in base.jobs if j.kind == "deadline"]
@@ -211,11 +213,11 @@ def _mix(opts: DemoOptions, patterns: list[Path]) -> list[Any]:
 WARM_ENGINE_S = 6.0
 
 
-def _warm_engine(url: str, opts: DemoOptions, patterns: list[Path], console: Any) -> None:
+def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: Any) -> None:
     """Warm the engine with the demo's mix (closed loop, :data:`WARM_ENGINE_S` seconds)."""
     with console.status(f"warming the engine ({WARM_ENGINE_S:.0f} s of the demo mix) ..."):
         with contextlib.suppress(RuntimeError):  # no token in the short window: still warmed
-            measure_capacity(url, opts.model, _mix(opts, patterns), key="warm-up", batch_size=opts.batch_size,
+            measure_capacity(url, opts.model, shapes, key="warm-up", batch_size=opts.batch_size,
                              warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7)
     _wait_idle(url, 30)
 
@@ -239,12 +241,9 @@ def speed_probe(url: str, model: str) -> float | None:
     return sorted(tbts)[len(tbts) // 2] if tbts else None
 
 
-def _capacity(opts: DemoOptions, url: str, dtype: str | None, patterns: list[Path], console: Any) -> Capacity:
+def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any) -> Capacity:
     key = machine_key(opts.model, dtype, opts.batch_size)
-    shapes = _mix(opts, patterns)
     if opts.capacity_scale is not None:
-        from jitflow_server.demo.calibrate import mix_demand
-
         d = mix_demand(shapes)
         return Capacity(key, opts.capacity_scale * d, float("nan"), d, opts.capacity_scale, 0, 0.0,
                         "given by --capacity", cached=True)
@@ -308,6 +307,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         console.print(f"length model: {'training on' if length.trained else 'cached, trained on'} "
                       f"{len(length.sources)} {length.source_kind} file(s) -> {length.path}")
         sides = opts.sides()
+        shapes = _mix(opts, patterns)  # the mix as call shapes: for the warm-ups and the capacity
         runs: list[Any] = []
         served: dict[str, Any] = {}
         speed: dict[str, dict[str, float | None]] = {}
@@ -328,7 +328,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                           f"({'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})")
             _warmup(srv.base_url)
             if cap is None:
-                cap = _capacity(opts, srv.base_url, state.get("dtype"), patterns, console)
+                cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console)
                 phases = _phases(opts, cap)
                 for ph in phases:
                     c = ph.cfg
@@ -338,7 +338,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                   f"({ph.plan.prompt_source} prompts, {ph.plan.arrival_source} arrivals)")
             # Every side gets the same warm-up right before its phases (on a machine's first run the
             # baseline's engine also ran the capacity measurement before it).
-            _warm_engine(srv.base_url, opts, patterns, console)
+            _warm_engine(srv.base_url, opts, shapes, console)
             probe = {"before": speed_probe(srv.base_url, opts.model)}
             served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
                                   if side.scheduler == "jitflow" else None)

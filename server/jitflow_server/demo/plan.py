@@ -102,11 +102,6 @@ def phase_config(scale: float, duration: float, seed: int, slos: DemoConfig,
                    tot_tasks=max(1, round(mix.tot_rate * scale * duration)))
 
 
-def scaled_tasks(per_120s: int, duration: float) -> int:
-    """``per_120s`` tasks per 120 s of load, scaled to ``duration`` (at least 1)."""
-    return max(1, round(per_120s * duration / 120.0))
-
-
 # ---------------------------------------------------------------------- built-in load
 BUILTIN_PROMPTS = [
     "Explain how a refrigerator keeps food cold.",
