@@ -172,6 +172,8 @@ def test_non_streaming_request_is_aborted_when_its_client_disconnects() -> None:
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages[0].content"),
     ({"stop": "\ud800"}, "stop"),
     ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ""}, "stop"),  # found by `jitflow bench chaos`: vLLM refuses it, and that was a 500
+    ({"stop": ["x", ""]}, "stop"),
     ({"seed": 2**64}, "seed"),
     ({"min_tokens": 9}, "min_tokens"),
 ])

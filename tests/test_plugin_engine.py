@@ -144,38 +144,44 @@ def test_gmax_runs_a_tight_deadline_ahead_of_long_best_effort(server_url, policy
         assert st["unfinished"] == 0
 
 
-def test_fcfs_keeps_the_tight_deadline_behind_long_best_effort(server_url, policy):
+def test_fcfs_keeps_the_tight_deadline_behind_long_best_effort_and_admission_refuses_it(server_url, policy):
+    """FCFS admits the two long requests (B = 2) and leaves the probe waiting behind them. Deadline
+    admission does not let it start too late to meet its deadline: it is refused with 429 at its latest
+    feasible start, long before either long request ends, and removed from the engine unscheduled."""
     policy("fcfs", batch_size=2)
     hogs: list[LongStream] = []
     out: dict = {}
 
     def probe() -> None:
         with httpx.Client(base_url=server_url, timeout=60) as pc:
-            out["timing"] = _probe(pc, deadline=3.0)
+            t0 = time.time()
+            out["response"] = pc.post("/v1/chat/completions", timeout=400, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "quick"}], "max_tokens": 40,
+                "ignore_eos": True, "slo": {"kind": "deadline", "deadline": 3.0, "waiting_time": 300}})
+            out["waited"] = time.time() - t0
 
     with httpx.Client(base_url=server_url, timeout=60) as c, explain(c, hogs):
         t = threading.Thread(target=probe, daemon=True)
         try:
-            # The probe arrives after both long requests (all three queued while paused): vLLM's FCFS
-            # admits the two long ones (B = 2) and the probe waits until one of them has finished.
+            before = c.get("/v1/jitflow/engine").json()["rejected"]
+            # The probe arrives after both long requests (all three queued while paused).
             with paused(c):
                 hogs += [long_request(server_url) for _ in range(2)]
                 wait_for(c, lambda st: st["waiting"] >= 2, "2 queued long requests", hogs)
                 t.start()
                 wait_for(c, lambda st: st["waiting"] >= 3, "the queued probe", hogs)
             t.join(timeout=400)
-            assert "timing" in out, "the probe did not finish"
+            assert "response" in out, "the probe did not return"
             ev = engine_events(c)
+            after = c.get("/v1/jitflow/engine").json()["rejected"]
         finally:
             for h in hogs:
                 h.close()
-        timing = out["timing"]
-        assert timing["output_tokens"] == 40
-        probe_start = when(ev, "first_sched", timing["request_id"])
-        first_done = min(when(ev, "finish", h.rid) for h in hogs)
-        assert first_done < float("inf"), "no long request finished although the probe ran: B = 2 did not hold"
-        assert probe_start >= first_done, (probe_start, first_done)
-        assert timing["slo_met"] is False, sorted(timing.items())
+        r = out["response"]
+        assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_infeasible", r.text
+        assert out["waited"] < 3.0  # refused by its latest feasible start, not after the 300 s waiting time
+        assert after == before + 1  # the engine removed it, never scheduled
+        assert all(when(ev, "finish", h.rid) == float("inf") for h in hogs)  # the long requests still ran
         st = wait_idle(server_url)
         assert st["unfinished"] == 0
 

@@ -67,3 +67,37 @@ def test_engine_processes_die_with_a_killed_server(tmp_path):
         srv.proc.wait(10)
         left = _wait_gone(tree, 10.0)
         assert not left, f"orphans 10 s after kill -9: {[(p.pid, p.name()) for p in left]}"
+
+
+@pytest.mark.engine
+def test_sigterm_drains_in_flight_requests_then_stops_the_engine(tmp_path):
+    """SIGTERM to the server alone (what systemd and Kubernetes send): no new connections, the streaming
+    request in flight runs to its end, then the server and its engine processes exit."""
+    import httpx
+
+    srv = ServerProcess(jitflow_command("serve", "--model", "tiny", "--port", str(free_port()), "--history-db",
+                                       str(tmp_path / "h.sqlite"), "--no-length-predictor", "--drain-timeout", "60"),
+                        tmp_path / "server.log")
+    with srv:
+        tree = psutil.Process(srv.proc.pid).children(recursive=True)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        chunks = 0
+        with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if chunks == 3:
+                        break
+            os.kill(srv.proc.pid, signal.SIGTERM)
+            time.sleep(1.0)
+            with pytest.raises(httpx.ConnectError):  # draining: the listening socket is closed
+                httpx.get(srv.base_url + "/health", timeout=5)
+            rest = [x for x in lines if x]
+        tokens = [x for x in rest if x.startswith("data: {") and '"content"' in x]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        assert chunks + len(tokens) >= 400  # every token arrived
+        assert srv.proc.wait(60) is not None
+        left = _wait_gone(tree, 15.0)
+        assert not left, f"engine processes left after the drain: {[(p.pid, p.name()) for p in left]}"

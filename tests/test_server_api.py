@@ -226,3 +226,46 @@ def test_length_predictor_sees_observed_lengths(server_url, server_files):
     assert len(mine) == 1 and mine[0]["output_len"] == n
     st = httpx.get(server_url + "/v1/jitflow/engine").json()["length_predictor"]
     assert st["submitted"] >= 1 and st["observed"] >= 1 and st["errors"] == 0
+
+
+def test_deadline_admission_uses_the_engines_measured_speed(server_url):
+    """After a request has run, the plug-in reports its step model; a deadline the engine cannot meet at
+    that speed with a full batch is refused at once (429 naming ``slo.deadline``), a loose one is served."""
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 24, "ignore_eos": True})
+    assert r.status_code == 200
+    deadline = time.time() + 10
+    while True:
+        adm = httpx.get(server_url + "/v1/jitflow/engine").json()["deadline_admission"]
+        if adm["rate"] is not None or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    rate = adm["rate"]
+    assert adm["enabled"] and rate is not None, adm
+    assert rate["batch_size"] >= 1 and rate["base_s"] + rate["per_decode_s"] + rate["min_step_s"] > 0
+    full_step = max(rate["base_s"] + rate["per_decode_s"] * rate["batch_size"], rate["min_step_s"]) * rate["wall_factor"]
+    assert rate["wall_factor"] >= 1.0
+    n = 2000  # tokens: far more than the tiny deadline allows at any measured speed
+    tight = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": n, "ignore_eos": True,
+                               "slo": {"kind": "deadline", "deadline": 0.5 * n * full_step}})
+    assert tight.status_code == 429, tight.text
+    assert tight.json()["error"]["code"] == "deadline_infeasible" and "Retry-After" in tight.headers
+    loose = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 8, "ignore_eos": True,
+                               "slo": {"kind": "deadline", "deadline": 60}})
+    assert loose.status_code == 200 and loose.json()["jitflow"]["slo_met"] is True
+    after = httpx.get(server_url + "/v1/jitflow/engine").json()["deadline_admission"]
+    assert after["rejected"] >= adm["rejected"] + 1
+
+
+def test_what_vllm_refuses_is_a_400_naming_the_field(server_url):
+    """Sampling settings that pass the API's schema but not vLLM's own checks are the client's error."""
+    from jitflow_server.engine.protocol import GenerateRequest, InvalidRequestError
+    from jitflow_server.engine.vllm_engine import VLLMEngine
+    from jitflow_server.scheduler.hints import SchedHints
+
+    req = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], max_tokens=4, stop=[""],
+                          hints=SchedHints(kind="best_effort", request_id="r", arrival=1.0, len_bound=4))
+    with pytest.raises(InvalidRequestError) as err:
+        VLLMEngine.sampling_params(req)
+    assert "stop" in str(err.value)
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 4, "stop": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"

@@ -94,6 +94,14 @@ def register(app: typer.Typer) -> None:
                                                       '[{"key", "tenant", "scope": "user"|"admin"}]} '
                                                       "(docs/security.md)."),
         insecure: bool = typer.Option(False, help="Allow a non-loopback --host without API keys."),
+        drain_timeout: float = typer.Option(
+            30.0, min=0.0, help="On SIGTERM/SIGINT: stop accepting connections and let in-flight requests finish "
+                                "for up to this many seconds, then cancel them (and abort them in the engine)."),
+        deadline_admission: bool = typer.Option(
+            True, help="Refuse (429) an E2EL-deadline request once its deadline can no longer be met at the "
+                       "engine's measured speed, instead of starting it late."),
+        admission_safety: float = typer.Option(
+            1.0, min=0.1, max=10.0, help="Multiplies the service-time estimate of deadline admission."),
     ) -> None:
         """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
         import os
@@ -148,10 +156,11 @@ def register(app: typer.Typer) -> None:
         what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
         typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
         settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
-                                  api_keys=keys)
+                                  api_keys=keys, deadline_admission=deadline_admission,
+                                  admission_safety=admission_safety)
         start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
         uvicorn.run(create_app(VLLMEngine(cfg), settings, owns_engine=True), host=host, port=port,
-                    log_level=log_level, timeout_graceful_shutdown=5)
+                    log_level=log_level, timeout_graceful_shutdown=drain_timeout)
 
     @app.command("vllm-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def vllm_serve(

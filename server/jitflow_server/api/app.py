@@ -94,15 +94,15 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
         await attach_tasks(app, state)
         if settings.length_predictor:
             state.attach_length_service(await asyncio.to_thread(_length_service, state))
-        pusher = asyncio.create_task(state.push_bounds(), name="push-length-bounds")
+        background = [asyncio.create_task(state.push_bounds(), name="push-length-bounds")]
+        if settings.deadline_admission:
+            background.append(asyncio.create_task(state.poll_service(), name="poll-engine-speed"))
         try:
             yield
         finally:
-            pusher.cancel()
-            try:
-                await pusher
-            except asyncio.CancelledError:
-                pass
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             if state.length is not None:
                 state.length.close()
             if state.tasks is not None:

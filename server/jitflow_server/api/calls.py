@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from jitflow_server.analyzer.advisor import resolve_len_bound
@@ -17,12 +18,30 @@ from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.state import ServerState
 from jitflow_server.engine.protocol import GenerateRequest, TokenDelta
+from jitflow_server.scheduler.admission import AdmissionDeadline
 from jitflow_server.tracker.metrics import RequestTiming
 
 logger = logging.getLogger("jitflow.api")
 
 #: Queue events: ``("out", TokenDelta, t)``, ``("end", None, t)``, ``("error", exception, t)``.
 Event = tuple[str, object, float]
+
+
+def deadline_infeasible(deadline: float | None, service_time: float | None, reason: str | None = None) -> APIError:
+    """The 429 of deadline admission (``scheduler/admission.py``): the deadline can no longer be met at the
+    engine's measured speed (``too_late``), or not without breaking what was promised to the requests
+    already admitted (``overcommitted``), or it waited past its latest feasible start (``not_started``)."""
+    if reason == "overcommitted":
+        why = ("the requests already admitted leave no room to finish this one by then (about "
+               f"{service_time:.1f} s of work at the engine's measured speed under full load)")
+    elif reason == "not_started":
+        why = (f"the engine did not start it by its latest feasible start (it needs about {service_time:.1f} s "
+               "at the engine's measured speed under full load)")
+    else:
+        why = f"the engine needs about {service_time:.1f} s for this request at its measured speed under full load"
+    return APIError(429, f"deadline of {deadline:g} s cannot be met: {why}; retry later or with a longer "
+                         "slo.deadline", type="admission_rejected", param="slo.deadline", code="deadline_infeasible",
+                    headers={"Retry-After": str(max(1, math.ceil(service_time or 1)))})
 
 
 class LiveCall:
@@ -38,12 +57,13 @@ class LiveCall:
     def __init__(self, state: ServerState, request: GenerateRequest, timing: RequestTiming,
                  waiting_time: float | None, *, prompt_text: str, len_bound: int, bound_source: str,
                  app: str | None = None, stage_samples: StageLengthSamples | None = None,
-                 stage_pos: int = 0) -> None:
+                 stage_pos: int = 0, admission: AdmissionDeadline | None = None) -> None:
         self.state = state
         self.request = request
         self.rid = request.request_id
         self.timing = timing
         self.waiting_time = waiting_time
+        self.admission = admission
         self.prompt_text = prompt_text
         self.len_bound = len_bound
         self.bound_source = bound_source
@@ -105,6 +125,10 @@ class LiveCall:
                 if self.rid in rejected:
                     await self.state.engine.abort(self.rid)
                     self.finished = True
+                    adm = self.admission
+                    if adm is not None and adm.binding == "deadline":
+                        self.state.deadline_rejections += 1
+                        raise deadline_infeasible(self.timing.slo.deadline, adm.service_time, "not_started") from None
                     raise APIError(
                         429, f"request was not admitted within its waiting_time of {self.waiting_time:g} s",
                         type="admission_rejected", param="slo.waiting_time", code="admission_rejected",

@@ -162,6 +162,8 @@ class _Common(BaseModel):
     def _stop_is_utf8(cls, v: Any) -> Any:
         for x in [v] if isinstance(v, str) else v or []:
             _utf8(x)
+            if not x:
+                raise ValueError("stop sequences must not be empty")
         return v
 
 

@@ -10,6 +10,7 @@ an SSE stream carrying the measured ``jitflow`` timing object (TTFT, TBT, E2EL, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -21,12 +22,13 @@ from fastapi.responses import StreamingResponse
 
 from jitflow_server.analyzer.advisor import resolve_len_bound
 from jitflow_server.api.auth import request_tenant
-from jitflow_server.api.calls import LiveCall
+from jitflow_server.api.calls import LiveCall, deadline_infeasible
 from jitflow_server.api.limits import check_json_schema
 from jitflow_server.api.schemas import SLO, APIError
 from jitflow_server.api.state import ServerState
 from jitflow_server.api.tracing import end_request_span, start_request_span
 from jitflow_server.engine.protocol import GenerateRequest, InvalidRequestError, StructuredOutput
+from jitflow_server.scheduler.admission import AdmissionDeadline, admission_deadline
 from jitflow_server.scheduler.hints import HintsError, SchedHints, reserved_keys
 from jitflow_server.scheduler.types import SLOSpec
 from jitflow_server.tracker.metrics import RequestTiming
@@ -86,6 +88,16 @@ def _waiting_time(state: ServerState, slo: SLO) -> float | None:
     return state.settings.best_effort_waiting_time
 
 
+def _admission(state: ServerState, kind: str, deadline: float | None, waiting_time: float | None,
+               prompt_tokens: int, len_bound: int) -> AdmissionDeadline:
+    """The request's admission deadline: its waiting time, tightened for E2EL-deadline requests to their
+    latest feasible start when deadline admission is on and the engine reports its speed."""
+    rate = state.service if state.settings.deadline_admission else None
+    held = state.commitments(rate) if rate is not None and kind == "deadline" else None
+    return admission_deadline(kind, deadline, waiting_time, prompt_tokens=prompt_tokens, len_bound=len_bound,
+                              rate=rate, safety=state.settings.admission_safety, held=held, now=time.time())
+
+
 async def serve_request(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool,
                         prompt_text: str = ""):
     """Serve one chat or text completion (see the module docstring). Raises ``APIError``."""
@@ -129,6 +141,17 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
         predicted = state.length.latest(rid)  # provisional (fallback) bound; refined asynchronously
     len_bound, source = resolve_len_bound(max_tokens, exact=exact, pattern=pattern_bound, predicted=predicted)
     timing.len_bound = len_bound
+    admit = _admission(state, str(hints["kind"]), slo.deadline, waiting_time, len(prompt_ids), len_bound)
+    if admit.binding == "deadline":
+        if admit.refuse_now:
+            if state.length is not None:
+                state.length.discard(rid)
+            state.deadline_rejections += 1
+            state.metrics.observe(timing, "rejected", timing.summary(finished_ok=False))
+            raise deadline_infeasible(slo.deadline, admit.service_time, admit.reason)
+        waiting_time = admit.waiting_time
+        hints["waiting_time"] = waiting_time
+        timing.slo = dataclasses.replace(timing.slo, waiting_time=waiting_time)
     try:
         sched_hints = SchedHints(**hints, len_bound=len_bound)
     except HintsError as exc:
@@ -141,6 +164,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
         trace_headers={k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")} or None,
     )
     call = LiveCall(state, gen, timing, waiting_time, prompt_text=prompt_text, len_bound=len_bound,
+                    admission=admit,
                     bound_source=source, app=app_name,
                     stage_samples=advice.len_samples if advice is not None and source == "pattern" else None,
                     stage_pos=advice.stage_pos if advice is not None else 0)

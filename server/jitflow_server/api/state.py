@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 from jitflow_server.api.auth import APIKey
 from jitflow_server.api.limits import DEFAULT_MAX_BODY_BYTES
 from jitflow_server.engine.protocol import Engine
+from jitflow_server.scheduler.admission import Commitment, ServiceRate
 from jitflow_server.scheduler.hints import HintUpdate
+from jitflow_server.scheduler.types import Kind
 from jitflow_server.tracker.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -37,7 +39,10 @@ class ServerSettings:
     the longest a refined length bound waits before it is sent to the engine (s; it is sent at once
     when the predictor publishes it); ``max_body_bytes``: the largest request body (bytes; larger ones
     get 413 before they are parsed, ``api/limits.py``); ``api_keys``: the accepted keys with their
-    tenants and scopes (empty: no authentication, ``api/auth.py``).
+    tenants and scopes (empty: no authentication, ``api/auth.py``); ``deadline_admission``: hold
+    E2EL-deadline requests to their latest feasible start (``scheduler/admission.py``), with the service
+    time estimate multiplied by ``admission_safety``; ``service_poll_period``: how often the engine's
+    measured speed is read for it (s).
     """
 
     default_waiting_time: float = 5.0
@@ -47,6 +52,9 @@ class ServerSettings:
     bound_push_period: float = 0.1
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_keys: dict[str, APIKey] = field(default_factory=dict)
+    deadline_admission: bool = True
+    admission_safety: float = 1.0
+    service_poll_period: float = 0.5
 
 
 class ServerState:
@@ -67,6 +75,10 @@ class ServerState:
         #: arrive / first_token / done / abort (diagnostics, bounded; ``GET /v1/jitflow/engine/events``).
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
         self._bounds_ready = asyncio.Event()
+        #: The engine's measured speed (deadline admission), refreshed by :meth:`poll_service`.
+        self.service: ServiceRate | None = None
+        #: Requests refused or removed by deadline admission (``scheduler/admission.py``).
+        self.deadline_rejections = 0
 
     def attach_length_service(self, svc: LengthService) -> None:
         """Use ``svc`` for length bounds and wake the bound pusher whenever it publishes new ones."""
@@ -128,13 +140,52 @@ class ServerState:
             except Exception:
                 logger.debug("bound push failed", exc_info=True)
 
+    async def poll_service(self) -> None:
+        """Background task (owned by the app's lifespan): keep :attr:`service` current from the engine's
+        stats every ``service_poll_period`` s. An engine that reports no step model (stock vLLM, a fake
+        stepped by hand, a plug-in before its first 8 steps) leaves it ``None``: no deadline admission."""
+        while True:
+            try:
+                self.service = ServiceRate.from_dict((await self.engine.stats()).get("service"))
+            except Exception:
+                logger.debug("engine stats failed", exc_info=True)
+            await asyncio.sleep(self.settings.service_poll_period)
+
+    def commitments(self, rate: ServiceRate) -> list[Commitment]:
+        """The work promised to the in-flight calls that have a finish time (``scheduler/admission.py``):
+        deadline requests by their deadline, latency requests by their last token's time, compound calls by
+        their sub-deadline; best-effort calls promise nothing. Unix s, slot-seconds at ``rate``."""
+        step = rate.step_time(rate.batch_size)
+        out = []
+        for rid, call in list(self.live.items()):
+            t = call.timing
+            slo = t.slo
+            generated = len(t.token_times)
+            bound = self._pushed.get(rid, call.len_bound)
+            if slo.kind is Kind.DEADLINE and slo.deadline is not None:
+                due = t.arrival + slo.deadline
+            elif slo.kind is Kind.LATENCY and slo.ttft is not None and slo.tbt is not None:
+                due = t.arrival + slo.ttft + max(bound - 1, 0) * slo.tbt
+            elif slo.kind is Kind.COMPOUND and (t.sub_deadline is not None or slo.deadline is not None):
+                due = t.sub_deadline if t.sub_deadline is not None else t.arrival + slo.deadline
+            else:
+                continue
+            work = max(bound - generated, 1) * step
+            if generated == 0:
+                work += rate.per_prefill_token_s * t.prompt_tokens
+            out.append(Commitment(due, work))
+        return out
+
     def event(self, t: float, kind: str, request_id: str, detail: str = "") -> None:
         """Record one server-side lifecycle event (diagnostics)."""
         self.events.append((t, kind, request_id, detail))
 
     def stats(self) -> dict[str, Any]:
         """Server-side counters merged into ``GET /v1/jitflow/engine``."""
-        out: dict[str, Any] = {"server_in_flight": self.in_flight}
+        out: dict[str, Any] = {"server_in_flight": self.in_flight,
+                               "deadline_admission": {"enabled": self.settings.deadline_admission,
+                                                      "rate": self.service.to_dict() if self.service else None,
+                                                      "rejected": self.deadline_rejections}}
         if self.length is not None:
             pred = self.length.predictor
             out["length_predictor"] = {"model": pred is not None, "version": getattr(pred, "version", None),

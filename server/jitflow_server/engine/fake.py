@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jitflow_server.engine.protocol import GenerateRequest, InvalidRequestError, PolicySpec, TokenDelta
+from jitflow_server.scheduler.admission import ServiceRate
 from jitflow_server.scheduler.hints import HintUpdate
 
 
@@ -198,7 +199,14 @@ class FakeEngine:
         return {"policy": self.policy, "params": {}, "batch_size": self.batch_size,
                 "running": len(self._running), "waiting": len(self._waiting), "paused": self.paused,
                 "unfinished": len(self._running) + len(self._waiting), "steps": self.steps_run,
-                "rejected": self.rejected}
+                "rejected": self.rejected, "service": self._service_rate()}
+
+    def _service_rate(self) -> dict | None:
+        """Every step takes ``step_s`` whatever the batch (``None`` when stepped by hand)."""
+        if not self.step_s:
+            return None
+        return ServiceRate(base_s=self.step_s, per_decode_s=0.0, per_prefill_token_s=0.0, wall_factor=1.0,
+                           min_step_s=self.step_s, batch_size=self.batch_size).to_dict()
 
     async def events(self) -> list[list[Any]]:
         """Lifecycle events ``[unix s, event, request id, detail]``."""

@@ -218,9 +218,9 @@ class JitflowScheduler(Scheduler):
                 if r is not None:
                     ctxs.append(r.num_computed_tokens + n)
             fwd = now - self._t_sched_end
-            self.tracker.record(fwd, n_dec, pre)
             period = (now - self._t_prev_update) if (self._t_prev_update is not None
                                                      and self._busy_after_update) else None
+            self.tracker.record(fwd, n_dec, pre, period)
             mean = sum(ctxs) / len(ctxs) if ctxs else 0.0
             cv = (math.sqrt(sum((c - mean) ** 2 for c in ctxs) / len(ctxs)) / mean) if len(ctxs) > 1 and mean else 0.0
             self.step_log.append((now, period, fwd, n_dec, pre, ctx_dec, cv))
@@ -483,7 +483,7 @@ class JitflowScheduler(Scheduler):
             "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
             "block_size": int(self.block_size), "kv_capacity_tokens": self._kv_capacity_tokens(),
             "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
-            "resumed": dict(self.resumed),
+            "resumed": dict(self.resumed), "service": svc.to_dict() if (svc := self.tracker.service_rate(self.batch_size)) else None,
             "rejected": self.n_rejected, "policy_refusals": self.n_policy_refusals, "bad_hints": self.n_bad_hints,
             "illegal_transitions": self.n_illegal_transitions, "tracker": self.tracker.summary(),
         }

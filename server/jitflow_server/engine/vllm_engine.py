@@ -238,6 +238,7 @@ class VLLMEngine:
         Raises :class:`InvalidRequestError` when vLLM refuses the settings.
         """
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         so = None
@@ -252,6 +253,8 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.DELTA, structured_outputs=so,
                 extra_args=req.hints.to_extra_args(),
             )
+        except VLLMValidationError as exc:  # not a ValueError in vLLM 0.32
+            raise InvalidRequestError(f"invalid sampling parameters: {exc}", exc.parameter) from None
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"invalid sampling parameters: {exc}") from None
 

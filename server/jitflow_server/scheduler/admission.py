@@ -1,0 +1,178 @@
+"""Deadline admission: admit a deadline request only while its deadline is still feasible.
+
+JITServe §5 rejects a request that is not scheduled within its ``waiting_time``. That alone does not keep
+promises under overload: a request scheduled after 4.9 s of a 5 s waiting time may need 15 s more to
+generate its tokens and miss a 10 s deadline (measured before this module existed: under a 10× burst on
+the real engine, 68 % of the admitted deadline requests missed). Deadline admission tightens the
+admission deadline of an E2EL-deadline request to its *latest feasible start*:
+
+    latest_start = deadline − safety · service_time
+    service_time = prefill_time(prompt) + len_bound · token_time(B)
+
+where ``token_time(B)`` is the measured wall time of one engine step with the engine's full batch ``B``
+(the worst case over the request's life: a batch that is not full now may fill after it starts) and
+``len_bound`` the request's output-length bound (a q-quantile, JITServe §4.1). The engine keeps the
+request only while it can still start by ``arrival + latest_start``; if it has not started by then, it is
+removed and the client gets 429 with ``Retry-After``, as for the waiting time. A request whose
+``latest_start`` has already passed when it arrives is refused at once. Every policy gets the same rule
+(it lives in the API, outside the policies); stock vLLM, which reports no step model, gets none.
+
+The latest start alone is not enough either. A policy may start a request (one prefill step and a first
+token: it is admitted) and then pause it for others: measured with GMAX under a 10× burst of deadline
+requests, 436 requests were admitted within 3 s of arriving and 94 % of them finished 30-70 s later, far
+past their 8.5 s deadline. So a deadline request is also admitted only if the work already promised still
+fits (:func:`fits_commitments`): every in-flight request with a finish time (deadline requests, latency
+requests' last token, compound calls' sub-deadlines) is a :class:`Commitment` of ``work_s``
+slot-seconds due by ``finish_by``, and with B slots the promises ordered by due time (EDF) must all fit,
+
+    for every k with due_k ≥ due_new:  Σ_{j: due_j ≤ due_k} work_j ≤ B · (due_k − now),
+
+and the new request alone must fit its own deadline. A promise due after the new request's deadline that
+was already late before it arrived does not refuse it (the new request cannot save it); everything due
+before the new request's deadline counts, late or not. This is the fluid relaxation of EDF feasibility on B parallel slots: it
+admits no more than B slots can finish in time, whatever order the policy then runs them in.
+
+What it does not cover: a request whose output is longer than its bound (about 1 − q of them) can still
+miss, and a policy that lets admitted work wait while it serves later arrivals can still make it miss. Compound calls are not held to this rule: their deadline
+belongs to the task, and a rejected stage fails the whole task.
+
+No engine imports: the API (``api/serving.py``) and the engine adapters exchange :class:`ServiceRate` as a
+plain dict inside the engine's stats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServiceRate:
+    """Measured engine speed for admission decisions.
+
+    One engine step (s) with ``n`` decoding requests and ``p`` prefill tokens takes
+    ``(base_s + per_decode_s·n + per_prefill_token_s·p) · wall_factor``: the SLO tracker's fit of model
+    execution (``tracker/steps.py``) scaled to the wall time a decoding request sees per token (the
+    scheduler's own time and other requests' prefill chunks; measured 1.12 on the demo model at B = 16).
+    ``min_step_s`` floors the fit (a least-squares fit over similar samples can extrapolate to ~0).
+    ``batch_size``: B, the most requests that decode together.
+    """
+
+    base_s: float
+    per_decode_s: float
+    per_prefill_token_s: float
+    wall_factor: float
+    min_step_s: float
+    batch_size: int
+
+    def step_time(self, n_decode: int, prefill_tokens: int = 0) -> float:
+        """Wall time (s) of one step with ``n_decode`` decoding requests and ``prefill_tokens``."""
+        t = self.base_s + self.per_decode_s * n_decode + self.per_prefill_token_s * prefill_tokens
+        return max(t, self.min_step_s) * self.wall_factor
+
+    def service_time(self, prompt_tokens: int, len_bound: int) -> float:
+        """Seconds to prefill ``prompt_tokens`` and generate ``len_bound`` tokens in a full batch of B."""
+        prefill = self.per_prefill_token_s * max(prompt_tokens, 0)
+        return prefill + max(len_bound, 1) * self.step_time(self.batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (crosses the engine's control channel inside its stats)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ServiceRate | None:
+        """The rate in ``d`` (an engine's ``stats()["service"]``), or ``None`` if absent or malformed."""
+        if not isinstance(d, dict):
+            return None
+        try:
+            r = cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        except (KeyError, TypeError):
+            return None
+        vals = (r.base_s, r.per_decode_s, r.per_prefill_token_s, r.wall_factor, r.min_step_s)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
+            return None
+        if r.wall_factor < 1:
+            return None
+        if not isinstance(r.batch_size, int) or r.batch_size < 1:
+            return None
+        return r
+
+
+@dataclass(frozen=True)
+class AdmissionDeadline:
+    """A request's admission deadline.
+
+    ``waiting_time``: seconds after arrival by which the engine must have started the request (``None``:
+    never rejected); ``binding``: ``"waiting_time"`` (the request's or the server's waiting time) or
+    ``"deadline"`` (deadline admission made it shorter); ``service_time``: the estimate used (s) or
+    ``None``. A ``waiting_time`` ≤ 0 means: refuse now, for the ``reason`` given.
+    """
+
+    waiting_time: float | None
+    binding: str
+    service_time: float | None = None
+    reason: str | None = None
+
+    @property
+    def refuse_now(self) -> bool:
+        """True when the deadline cannot be met even if the request started at once."""
+        return self.waiting_time is not None and self.waiting_time <= 0
+
+
+def admission_deadline(kind: str, deadline: float | None, waiting_time: float | None, *,
+                       prompt_tokens: int, len_bound: int, rate: ServiceRate | None,
+                       safety: float = 1.0, held: list[Commitment] | None = None,
+                       now: float = 0.0) -> AdmissionDeadline:
+    """The admission deadline of one request arriving at ``now`` (module docstring).
+
+    Args:
+        kind: the request's SLO kind; only ``"deadline"`` is tightened.
+        deadline: its E2EL deadline (s after arrival) or ``None``.
+        waiting_time: its waiting time (s after arrival) or ``None``.
+        prompt_tokens, len_bound: prompt length and output-length bound (tokens).
+        rate: the engine's measured speed; ``None`` leaves the waiting time as it is.
+        safety: multiplies the service time (≥ 1 is more conservative).
+        held: the in-flight requests' :class:`Commitment` s (same clock as ``now``); ``None`` skips the
+            overcommitment test.
+    A refusal (``refuse_now``) says why in ``reason``: ``"too_late"`` or ``"overcommitted"``.
+    """
+    if kind != "deadline" or deadline is None or rate is None:
+        return AdmissionDeadline(waiting_time, "waiting_time")
+    service = safety * rate.service_time(prompt_tokens, len_bound)
+    latest = deadline - service
+    if latest <= 0:
+        return AdmissionDeadline(latest, "deadline", service, "too_late")
+    if held is not None and not fits_commitments(now, Commitment(now + deadline, service), held, rate.batch_size):
+        return AdmissionDeadline(0.0, "deadline", service, "overcommitted")
+    if waiting_time is not None and waiting_time <= latest:
+        return AdmissionDeadline(waiting_time, "waiting_time", service)
+    return AdmissionDeadline(latest, "deadline", service)
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """Work promised to one in-flight request: ``work_s`` slot-seconds (prefill plus remaining tokens at
+    the full-batch step time) due by ``finish_by`` (s, on the caller's clock)."""
+
+    finish_by: float
+    work_s: float
+
+
+def fits_commitments(now: float, new: Commitment, held: list[Commitment], batch_size: int) -> bool:
+    """True when ``new`` can be promised next to ``held`` on ``batch_size`` slots (module docstring: the
+    fluid EDF test; promises due after ``new`` that are late without it are not held against it).
+    O(n log n)."""
+    if new.work_s > new.finish_by - now:
+        return False
+    jobs = sorted([(c.finish_by, c.work_s, False) for c in held] + [(new.finish_by, new.work_s, True)])
+    before = 0.0  # work due by the current due time, without the new request
+    for due, work, is_new in jobs:
+        if not is_new:
+            before += work
+        if due < new.finish_by:
+            continue
+        cap = batch_size * max(due - now, 0.0)
+        if before + new.work_s > cap and (is_new or before <= cap):
+            return False
+    return True
