@@ -27,6 +27,21 @@ def test_service_time_is_prefill_plus_bound_steps_at_full_batch():
     step = (0.01 + 0.002 * 8) * 1.25  # 0.0325 s
     assert RATE.step_time(8) == pytest.approx(step)
     assert RATE.service_time(1000, 100) == pytest.approx(1000 * 0.0001 + 100 * step)
+    alone = (0.01 + 0.002) * 1.25
+    assert RATE.service_time(0, 100, batch=1) == pytest.approx(100 * alone)  # the batch it joins
+    assert RATE.service_time(0, 100, batch=99) == pytest.approx(100 * step)  # at most B
+
+
+def test_the_latest_start_uses_the_batch_the_request_joins():
+    kw = dict(prompt_tokens=0, len_bound=100, rate=RATE)  # 3.25 s in a full batch, 1.5 s alone
+    assert admission_deadline("deadline", 3.0, 5.0, **kw).refuse_now
+    light = admission_deadline("deadline", 3.0, 5.0, batch=1, **kw)
+    assert not light.refuse_now and light.waiting_time == pytest.approx(1.5)
+    # the overcommitment test still prices the request at full-batch throughput: 3.25 slot-s on 8 slots
+    full = [Commitment(2.9, 8 * 3.0 - 3.0)]  # 21 + 3.25 slot-s due by 3 s > 24
+    assert admission_deadline("deadline", 3.0, 5.0, batch=1, held=full, now=0.0, **kw).reason == "overcommitted"
+    room = [Commitment(2.9, 8 * 3.0 - 3.5)]
+    assert not admission_deadline("deadline", 3.0, 5.0, batch=1, held=room, now=0.0, **kw).refuse_now
 
 
 def test_only_deadline_requests_are_tightened():
@@ -50,7 +65,7 @@ def test_promises_must_fit_on_b_slots_in_deadline_order():
     assert not fits_commitments(0.0, Commitment(10.0, 2.5), held, batch_size=1)  # the 10 s promise breaks
     assert not fits_commitments(0.0, Commitment(30.0, 15.0), held, batch_size=1)  # 31 s of work by 30 s...
     assert fits_commitments(0.0, Commitment(30.0, 15.0), held, batch_size=2)  # ...fits on two slots
-    assert not fits_commitments(0.0, Commitment(30.0, 31.0), [], batch_size=8)  # alone, it is too long
+    assert fits_commitments(0.0, Commitment(30.0, 31.0), [], batch_size=8)  # alone: the latest start's job
     assert fits_commitments(0.0, Commitment(15.0, 3.0), held, batch_size=1)
     assert not fits_commitments(0.0, Commitment(15.0, 5.0), held, batch_size=1)  # pushes the 20 s one late
     late = [Commitment(40.0, 45.0)]  # due after the new one and late without it: not held against it

@@ -147,6 +147,22 @@ def test_running_quantile_fallback() -> None:
     assert 90 <= fb.bound("b", 0) <= 95  # unknown app uses the overall history
 
 
+def test_truncated_lengths_are_censored_not_taken_at_face_value() -> None:
+    """Answers cut off at a small ``max_tokens`` say nothing about how long an uncapped answer is: a flood
+    of them must not pull the bound of a request with a larger ``max_tokens`` down."""
+    fb = RunningQuantileFallback(0.9, min_count=10)
+    for _ in range(500):
+        fb.observe("chat", 8, truncated=True)
+    assert fb.bound("chat", 0, max_tokens=128) == 128
+    assert fb.bound("chat", 0) == 1024  # no cap: the documented default, not 2**31
+    for v in range(1, 201):  # real, complete answers dominate again
+        fb.observe("chat", v)
+    assert fb.bound("chat", 0, max_tokens=4096) == 4096  # 500 of 700 censored: still above the q-quantile
+    for v in range(1, 2001):
+        fb.observe("chat", v % 200 + 1)
+    assert 170 <= fb.bound("chat", 0, max_tokens=4096) <= 200  # the censored ones left the window
+
+
 def test_load_examples_alpaca_and_telemetry(tmp_path) -> None:
     alpaca = tmp_path / "a.json"
     alpaca.write_text('[{"instruction": "Say hi", "output": "Hi there !", "generator": "m1"}]')

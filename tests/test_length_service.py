@@ -96,6 +96,11 @@ def test_fallback_without_model_and_calibration_moves(predictor: LengthPredictor
             svc.observe(f"a{i}", 100 + i)
         svc.submit("new", "p", app="chat", max_tokens=4096)
         assert 130 <= svc.latest("new") <= 140
+        for i in range(400):  # answers cut off at their max_tokens are censored, not short
+            svc.submit(f"c{i}", "p", app="chat", max_tokens=8)
+            svc.observe(f"c{i}", 8)
+        svc.submit("after", "p", app="chat", max_tokens=128)
+        assert svc.latest("after") == 128
     with LengthService(predictor, calibrate=True, refit_min_new=0) as svc:
         for i in range(60):  # served model talks 3x longer than the training data
             svc.submit(f"s{i}", f"a short question {i}", model="new")

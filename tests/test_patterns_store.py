@@ -79,6 +79,23 @@ def test_eviction_removes_the_least_used_beyond_capacity():
     assert st.evict(capacity=1) == 2 and st.ids() == [e]
 
 
+def test_one_application_cannot_take_more_than_its_share_of_the_store():
+    clock = Clock()
+    st = HistoryStore(":memory:", capacity=100, app_capacity=5, clock=clock)
+    other = [st.insert(g(i, app="alice/chat")) for i in range(3)]
+    st.bump(other[0])
+    kept = st.insert(g(0, app="mallory/chat"))
+    st.bump(kept)
+    st.bump(kept)
+    for i in range(1, 50):  # one tenant's application floods the store
+        clock.t += 1
+        st.insert(g(i, app="mallory/chat"))
+    assert st.count("mallory/chat") == 5 and kept in st.ids("mallory/chat")  # its own least-used went
+    assert st.ids("alice/chat") == other  # the other application's history is untouched
+    with pytest.raises(ValueError):
+        HistoryStore(":memory:", app_capacity=0)
+
+
 def test_matcher_bumps_the_match_and_sees_new_inserts():
     clock = Clock()
     st = HistoryStore(":memory:", clock=clock)

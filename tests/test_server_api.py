@@ -242,11 +242,11 @@ def test_deadline_admission_uses_the_engines_measured_speed(server_url):
     rate = adm["rate"]
     assert adm["enabled"] and rate is not None, adm
     assert rate["batch_size"] >= 1 and rate["base_s"] + rate["per_decode_s"] + rate["min_step_s"] > 0
-    full_step = max(rate["base_s"] + rate["per_decode_s"] * rate["batch_size"], rate["min_step_s"]) * rate["wall_factor"]
+    one_step = max(rate["base_s"] + rate["per_decode_s"], rate["min_step_s"]) * rate["wall_factor"]
     assert rate["wall_factor"] >= 1.0
-    n = 2000  # tokens: far more than the tiny deadline allows at any measured speed
+    n = 2000  # tokens: far more than the tiny deadline allows even alone in the batch
     tight = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": n, "ignore_eos": True,
-                               "slo": {"kind": "deadline", "deadline": 0.5 * n * full_step}})
+                               "slo": {"kind": "deadline", "deadline": 0.5 * n * one_step}})
     assert tight.status_code == 429, tight.text
     assert tight.json()["error"]["code"] == "deadline_infeasible" and "Retry-After" in tight.headers
     loose = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 8, "ignore_eos": True,

@@ -229,7 +229,7 @@ class LengthService:
             self.stats["observed"] += 1
         if r is None:
             return
-        self.fallback.observe(r.app, output_len)
+        self.fallback.observe(r.app, output_len, truncated=r.max_tokens is not None and output_len >= r.max_tokens)
         self.calibrator.observe(r.app, r.model, r.issued, output_len, kind=r.kind)
         if r.prompt_feats is None:
             # no forest (cold start: the telemetry is what the first model is trained on) or the request

@@ -30,7 +30,7 @@ def register_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                             "owned_by": "jitflow"}]}
+                                             "owned_by": "jitflow", "max_model_len": eng.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():

@@ -32,13 +32,13 @@ def deadline_infeasible(deadline: float | None, service_time: float | None, reas
     engine's measured speed (``too_late``), or not without breaking what was promised to the requests
     already admitted (``overcommitted``), or it waited past its latest feasible start (``not_started``)."""
     if reason == "overcommitted":
-        why = ("the requests already admitted leave no room to finish this one by then (about "
-               f"{service_time:.1f} s of work at the engine's measured speed under full load)")
+        why = ("the requests already admitted leave no room to finish this one by then (it needs about "
+               f"{service_time:.1f} s at the engine's measured speed)")
     elif reason == "not_started":
         why = (f"the engine did not start it by its latest feasible start (it needs about {service_time:.1f} s "
-               "at the engine's measured speed under full load)")
+               "at the engine's measured speed)")
     else:
-        why = f"the engine needs about {service_time:.1f} s for this request at its measured speed under full load"
+        why = f"the engine needs about {service_time:.1f} s for this request at its measured speed and load"
     return APIError(429, f"deadline of {deadline:g} s cannot be met: {why}; retry later or with a longer "
                          "slo.deadline", type="admission_rejected", param="slo.deadline", code="deadline_infeasible",
                     headers={"Retry-After": str(max(1, math.ceil(service_time or 1)))})

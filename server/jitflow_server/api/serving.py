@@ -95,7 +95,8 @@ def _admission(state: ServerState, kind: str, deadline: float | None, waiting_ti
     rate = state.service if state.settings.deadline_admission else None
     held = state.commitments(rate) if rate is not None and kind == "deadline" else None
     return admission_deadline(kind, deadline, waiting_time, prompt_tokens=prompt_tokens, len_bound=len_bound,
-                              rate=rate, safety=state.settings.admission_safety, held=held, now=time.time())
+                              rate=rate, safety=state.settings.admission_safety, held=held, now=time.time(),
+                              batch=state.in_flight + 1)
 
 
 async def serve_request(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool,

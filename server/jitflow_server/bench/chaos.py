@@ -116,6 +116,16 @@ def served_model(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
+def longest_prefill(url: str, model: str) -> None:
+    """One request whose prompt fills the context (token ids): the engine's buffers reach their largest
+    size before memory is first measured. The allocators keep that high-water mark; growth measured
+    after it is memory the attacks kept."""
+    n = httpx.get(url + "/v1/models", timeout=30).json()["data"][0].get("max_model_len") or 2048
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": [100] * (n - 8), "max_tokens": 4},
+                   timeout=600)
+    r.raise_for_status()
+
+
 # --------------------------------------------------------------------------------------- capacity
 async def _stream(client: httpx.AsyncClient, body: dict, max_chunks: int | None = None) -> int:
     """Stream one chat completion; read at most ``max_chunks`` SSE data lines (then hang up). Returns the
@@ -242,7 +252,7 @@ def run_burst(url: str, model: str, arrivals: list[tuple[float, int]], deadline:
                 try:
                     r = await client.post("/v1/chat/completions", json=body)
                 except httpx.HTTPError as exc:
-                    results.append({"status": type(exc).__name__})
+                    results.append({"status": type(exc).__name__, "offset": offset})
                     return
                 rec: dict[str, Any] = {"status": r.status_code, "offset": offset, "max_tokens": max_tokens,
                                        "latency": time.monotonic() - sent}

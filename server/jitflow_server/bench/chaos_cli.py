@@ -36,6 +36,7 @@ def run_chaos(opts: ChaosOptions, say: chaos.Say) -> dict[str, Any]:
         url = srv.base_url
         model = chaos.served_model(url)
         cap = rep["capacity"] = chaos.measure_capacity(url, model, opts, say)
+        chaos.longest_prefill(url, model)
         chaos.settle(url)
         rss0_by = chaos.tree_rss_mb(srv.proc.pid)
         rss0 = rss0_by["total"]
@@ -160,6 +161,7 @@ def register(bench_app: typer.Typer) -> None:
         out: Path = typer.Option(Path("results/chaos"), "--out", help="Output folder (chaos.json, chaos.md, "
                                  "server logs)."),
         model: str = typer.Option("demo", "--model", help="'demo', 'tiny' or a model directory."),
+        policy: str = typer.Option("gmax", "--policy", help="The server's scheduling policy (jitflow serve --policy)."),
         batch_size: int = typer.Option(16, "--batch-size", min=1, help="B of the server."),
         fuzz: int = typer.Option(10_000, "--fuzz", min=0, help="Schema-driven fuzzed requests."),
         disconnects: int = typer.Option(1_000, "--disconnects", min=0, help="Streams hung up mid-way."),
@@ -178,7 +180,8 @@ def register(bench_app: typer.Typer) -> None:
 
         opts = ChaosOptions(out=out, model=model, batch_size=batch_size, fuzz=fuzz, disconnects=disconnects,
                             burst_factor=burst_factor, burst_s=burst_s, burst_deadline=burst_deadline,
-                            telemetry_tasks=telemetry_tasks, compare_admission=compare_admission, seed=seed)
+                            telemetry_tasks=telemetry_tasks, compare_admission=compare_admission, seed=seed,
+                            extra_server_args=["--policy", policy])
         t0 = time.monotonic()
 
         def say(msg: str) -> None:

@@ -35,7 +35,8 @@ class ChaosDependencyError(RuntimeError):
 class FuzzResult:
     """What the fuzz phase saw: ``statuses`` (``"METHOD path status"`` → count), ``server_errors`` (the
     first 20 5xx: method, path, body, answer), ``bad_error_shape`` (4xx answers not in OpenAI's
-    ``{"error": {message, type, param, code}}`` shape), ``transport_errors`` (no HTTP answer at all)."""
+    ``{"error": {message, type, param, code}}`` shape), ``transport_errors`` (no HTTP answer at all, e.g.
+    the client's timeout; the first 20 in ``no_answer``)."""
 
     sent: int = 0
     statuses: Counter = field(default_factory=Counter)
@@ -44,6 +45,7 @@ class FuzzResult:
     bad_error_shape: int = 0
     bad_shape_examples: list[dict[str, Any]] = field(default_factory=list)
     transport_errors: int = 0
+    no_answer: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -51,7 +53,7 @@ class FuzzResult:
         return {"sent": self.sent, "n_5xx": self.n_5xx, "bad_error_shape": self.bad_error_shape,
                 "transport_errors": self.transport_errors, "seconds": round(self.seconds, 1),
                 "statuses": dict(sorted(self.statuses.items())), "server_errors": self.server_errors,
-                "bad_shape_examples": self.bad_shape_examples}
+                "bad_shape_examples": self.bad_shape_examples, "no_answer": self.no_answer}
 
 
 def _imports():
@@ -113,7 +115,8 @@ def steer(case, *, model: str, task_id: str, cap: int) -> None:
             v = body.get(k)
             if k in body:
                 present = True
-            if isinstance(v, int) and not isinstance(v, bool) and cap < v <= 1_000_000:
+            if (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    and cap < v <= 1_000_000):  # 7214.0 is a valid max_tokens too
                 body[k] = cap
         if is_completion and not present:
             body["max_tokens"] = cap
@@ -154,6 +157,9 @@ def send_cases(url: str, cases: list, *, concurrency: int, model: str, task_id: 
                 res.sent += 1
                 res.transport_errors += 1
                 res.statuses[f"{case.method} {case.path} {type(exc).__name__}"] += 1
+                if len(res.no_answer) < 20:
+                    res.no_answer.append({"method": case.method, "path": case.path, "error": type(exc).__name__,
+                                          "body": repr(case.body)[:2000]})
             return
         with lock:
             res.sent += 1

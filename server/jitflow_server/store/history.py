@@ -56,6 +56,7 @@ CREATE TABLE IF NOT EXISTS graphs (
 );
 CREATE INDEX IF NOT EXISTS graphs_app ON graphs(app);
 CREATE INDEX IF NOT EXISTS graphs_evict ON graphs(evict_key, id);
+CREATE INDEX IF NOT EXISTS graphs_app_evict ON graphs(app, evict_key, id);
 """
 
 
@@ -100,6 +101,10 @@ class HistoryStore:
             :func:`default_db_path`.
         capacity: maximum number of graphs kept (all apps); the least-used are evicted
             after inserts beyond it.
+        app_capacity: maximum number of graphs kept per application (default 5 000); the app's
+            least-used are evicted after inserts beyond it. It bounds how much of the store one
+            application (with tenancy: one tenant's application) can take, and how many graphs the
+            matcher scans for one call.
         clock: time source in seconds (injectable for tests; default :func:`time.time`).
         decay_per_hour: reuse-weight decay factor per hour, in (0, 1].
 
@@ -112,11 +117,15 @@ class HistoryStore:
         path: str | Path | None = None,
         *,
         capacity: int = 50_000,
+        app_capacity: int = 5_000,
         clock: Callable[[], float] = time.time,
         decay_per_hour: float = 0.9,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if app_capacity < 1:
+            raise ValueError(f"app_capacity must be >= 1, got {app_capacity}")
+        self.app_capacity = int(app_capacity)
         if not 0 < decay_per_hour <= 1:
             raise ValueError(f"decay_per_hour must be in (0, 1], got {decay_per_hour}")
         self.capacity = int(capacity)
@@ -217,8 +226,22 @@ class HistoryStore:
                 db.execute("ROLLBACK")
                 raise
             self._gen += 1
+            for app in {r[0] for r in rows}:
+                self._evict_app(app)
             self.evict()
         return ids
+
+    def _evict_app(self, app: str) -> int:
+        """Delete ``app``'s least-used graphs beyond ``app_capacity``; returns the number deleted."""
+        with self._lock:
+            db = self._conn()
+            extra = db.execute("SELECT COUNT(*) FROM graphs WHERE app=?", (app,)).fetchone()[0] - self.app_capacity
+            if extra <= 0:
+                return 0
+            db.execute("DELETE FROM graphs WHERE id IN (SELECT id FROM graphs WHERE app=? ORDER BY evict_key, id "
+                       "LIMIT ?)", (app, extra))
+            self._gen += 1
+            return extra
 
     def bump(self, graph_id: int, amount: float = 1.0) -> float:
         """Add ``amount`` to the (decayed) reuse weight of a matched graph; returns the new weight.
