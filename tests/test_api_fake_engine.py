@@ -6,6 +6,7 @@ clean-up without a model."""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -112,11 +113,17 @@ def test_stream_sends_chunks_usage_and_done(env):
     eng = FakeEngine(eos_after=3)
     with serve(eng) as (url, _):
         with httpx.stream("POST", url + "/v1/chat/completions",
-                          json={"model": "fake", "messages": MSG, "stream": True}, timeout=30) as r:
+                          json={"model": "fake", "messages": MSG, "stream": True,
+                                "stream_options": {"include_usage": True}}, timeout=30) as r:
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert '"usage"' in lines[-2] and '"completion_tokens":3' in lines[-2]
         assert sum('" t' in ln for ln in lines) == 3
+        with httpx.stream("POST", url + "/v1/chat/completions",
+                          json={"model": "fake", "messages": MSG, "stream": True}, timeout=30) as r:
+            plain = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert all(c["choices"] for c in plain) and all("usage" not in c for c in plain)
+        assert plain[-1]["choices"][0]["finish_reason"] and plain[-1]["jitflow"]["output_tokens"] == 3
 
 
 def test_oracle_policy_is_refused_on_a_served_engine(env):
@@ -157,3 +164,62 @@ def test_errors_have_openai_shape_for_unknown_routes_and_models(env):
         err = r.json()["error"]
         assert r.status_code == 404 and err["param"] == "model" and err["code"] == "model_not_found"
         assert httpx.get(url + "/v1/chat/completions").json()["error"]["type"] == "invalid_request_error"
+
+
+def test_models_by_id_and_request_ids_as_openai_serves_them(env):
+    with serve(FakeEngine()) as (url, _):
+        listed = httpx.get(url + "/v1/models").json()["data"][0]
+        one = httpx.get(url + f"/v1/models/{listed['id']}")
+        assert one.status_code == 200 and one.json() == listed
+        r = httpx.get(url + "/v1/models/other-model")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        # every answer names its request: the client's own id is echoed, else the server makes one
+        mine = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, "max_tokens": 2},
+                          headers={"x-request-id": "trace-42"})
+        assert mine.status_code == 200 and mine.headers["x-request-id"] == "trace-42"
+        made = {httpx.get(url + "/v1/no-such-route").headers["x-request-id"] for _ in range(2)}
+        assert len(made) == 2 and all(m.startswith("req_") for m in made)
+        bad = httpx.get(url + "/health", headers={"x-request-id": "x" * 500})  # too long: replaced
+        assert bad.headers["x-request-id"].startswith("req_")
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+])
+def test_unsupported_openai_features_are_refused_not_dropped(env, extra, param):
+    with serve(FakeEngine()) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+        # asking for nothing is fine (what clients send by default)
+        ok = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, "max_tokens": 2,
+                                                          "tools": [], "tool_choice": "none", "logprobs": False})
+        assert ok.status_code == 200
+
+
+def test_task_context_in_headers_reaches_the_task_under_its_app(env):
+    """A client that cannot add body fields (a proxy, a library that sends only OpenAI's body) sends the
+    SLO and task context as headers; the implicit task lands under its app and is stored once over."""
+    eng = FakeEngine(eos_after=3)
+    with serve(eng) as (url, state):
+        head = {"x-jitflow-task-id": "h-1", "x-jitflow-app": "header-app", "x-jitflow-stage": "plan",
+                "x-jitflow-stage-index": "0", "x-jitflow-slo-kind": "compound", "x-jitflow-deadline": "0.5"}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, "max_tokens": 3},
+                       headers=head, timeout=30)
+        assert r.status_code == 200, r.text
+        (req,) = eng.requests.values()
+        assert req.hints.kind is Kind.COMPOUND and req.hints.task_id == "h-1"
+        assert httpx.get(url + "/v1/tasks/h-1").json()["app"] == "header-app"
+        time.sleep(0.6)  # past the deadline, calls all ended: the server closes the implicit task
+        assert state.tasks.close_implicit(idle_s=0.0) == 1
+        task = httpx.get(url + "/v1/tasks/h-1").json()
+        assert task["outcome"] == "succeeded" and task["stored_graph_id"] is not None
+        assert state.tasks.store.count("header-app") == 1
+        bad = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG},
+                         headers={**head, "x-jitflow-deadline": "soon"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-jitflow-deadline"
+        bad = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG},
+                         headers={**head, "x-jitflow-stage-index": "-1"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-jitflow-stage-index"

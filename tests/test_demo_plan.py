@@ -159,3 +159,35 @@ def test_server_start_failure_is_a_clean_error(tmp_path):
     assert p.returncode == 1
     assert "exited with code" in p.stdout + p.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_slos_scale_with_the_measured_step_time():
+    from jitflow_server.demo.calibrate import Capacity
+    from jitflow_server.demo.main import REFERENCE_STEP_S, DemoOptions, _phases, slo_factor
+
+    def cap(step_s: float) -> Capacity:
+        return Capacity("k", 200.0, step_s, 150.0, 200.0 / 150.0, 24, 16.0, "now")
+
+    opts = DemoOptions(slos=DemoConfig(grace=20.0))
+    slow = _phases(opts, cap(2 * REFERENCE_STEP_S))
+    base = opts.slos
+    for ph in slow:  # twice as slow an engine: every time SLO doubles, the token ranges do not change
+        c = ph.cfg
+        assert (c.ttft, c.tbt, c.deadline) == pytest.approx((2 * base.ttft, 2 * base.tbt, 2 * base.deadline))
+        assert (c.research_deadline, c.tot_deadline) == pytest.approx((2 * base.research_deadline,
+                                                                       2 * base.tot_deadline))
+        assert c.deadline_tokens == base.deadline_tokens and c.grace == base.grace
+    assert slo_factor(opts, cap(100 * REFERENCE_STEP_S)) == 4.0  # clipped
+    assert slo_factor(opts, cap(float("nan"))) == 1.0  # unknown step time (--capacity given)
+    off = DemoOptions(slos=DemoConfig(grace=20.0), scale_slos=False)
+    assert _phases(off, cap(2 * REFERENCE_STEP_S))[0].cfg.tbt == base.tbt
+
+
+def test_the_command_line_without_its_extras_names_the_install_line():
+    code = ("import sys; sys.modules['typer'] = None; sys.modules['rich'] = None\n"
+            "from jitflow_server.entry import main; main()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "typer, rich" in r.stderr and "pip install 'jitflow[server]'" in r.stderr
+    ok = subprocess.run([sys.executable, "-c", "from jitflow_server.entry import missing; print(missing())"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.stdout.strip() == "[]"  # this environment has the extras

@@ -257,7 +257,9 @@ def test_gmax_jit_admits_a_request_before_admission_control_rejects_it():
     assert make_policy("gmax", adapt_p=False, starvation_delta=0.0).schedule([far, r], ctx(now=1.0, b=1)).batch == ["A"]
     # a running request's admit_by is ignored (it was admitted)
     run = RequestView("A3", Kind.DEADLINE, 0.0, 10, 5, 100, True, kv_tokens=15, deadline=500.0, admit_by=1.3)
-    d = make_policy("gmax", adapt_p=False, starvation_delta=0.0, full_priorities=True).schedule([run, r], ctx(now=1.0, b=1))
+    # (jit_commit off: a started deadline request is otherwise urgent for its own reason)
+    d = make_policy("gmax", adapt_p=False, starvation_delta=0.0, full_priorities=True,
+                    jit_commit=False).schedule([run, r], ctx(now=1.0, b=1))
     assert d.priorities["A3"] < d.priorities["R"]
 
 
@@ -436,3 +438,16 @@ def test_jit_pacing_stage_makes_a_stage_urgent_at_its_sub_deadline():
     assert pick == {"task": ["R"], "stage": ["st"]}
     with pytest.raises(ValueError, match="jit_pacing"):
         gmax(jit_pacing="soon")
+
+
+def test_gmax_jit_commit_keeps_a_started_deadline_request_running():
+    # S started (50 of 100 tokens) with plenty of slack; N just arrived and is urgent until admitted
+    s = RequestView("S", Kind.DEADLINE, 0.0, 10, 50, 100, True, kv_tokens=60, deadline=500.0)
+    n = dl("N", 10, 100, deadline=500.0, arrival=0.9, admit_by=5.0)
+    c = ctx(now=1.0, b=1, kv_capacity_tokens=10_000)  # the KV fits: S would only be paused
+    assert make_policy("gmax", adapt_p=False, starvation_delta=0.0, jit_commit=False).schedule([s, n], c).batch == ["N"]
+    committed = make_policy("gmax", adapt_p=False, starvation_delta=0.0, jit_commit=True)
+    assert committed.schedule([s, n], c).batch == ["S"]
+    # a started request that can no longer finish is not held on to
+    late = RequestView("L", Kind.DEADLINE, 0.0, 10, 50, 100, True, kv_tokens=60, deadline=1.1)
+    assert committed.schedule([late, n], c).batch == ["N"]

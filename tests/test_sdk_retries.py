@@ -1,4 +1,4 @@
-"""SDK retries of 429/503 answers (``max_retries``): Retry-After, back-off, the deadline rule,
+"""SDK retries of 429/503 answers and of connections that failed before an answer (``max_retries``): Retry-After, back-off, the deadline rule,
 what is never retried, logging, ``error.attempts`` and one telemetry record per logical call.
 
 httpx.MockTransport stands in for the server (``FakeServer`` of conftest_sdk.py); async tests run
@@ -171,15 +171,41 @@ def test_sync_400_is_not_retried():
 
 
 @pytest.mark.anyio
-async def test_connection_errors_are_not_retried():
+async def test_connection_errors_before_an_answer_are_retried_but_timeouts_are_not():
+    """A keep-alive connection the server closes as the request goes out fails with ReadError before any
+    answer: retried, as the OpenAI client does. A timeout is not (the server may be working on it)."""
     seen = []
+    server = FakeServer()
+    inner = server.async_transport()
+
+    class DropFirst(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            seen.append(request)
+            if len(seen) == 1:
+                raise httpx.ReadError("", request=request)
+            return await inner.handle_async_request(request)
+
+    async with jitflow.AsyncClient("http://test:8123", transport=DropFirst()) as client:
+        r = await client.chat.completions.create(model="demo", messages=MSG, max_tokens=2)
+    assert r.content == "tok tok " and len(seen) == 2
 
     def refuse(request):
         seen.append(request)
         raise httpx.ConnectError("refused", request=request)
 
-    async with jitflow.AsyncClient("http://test", transport=httpx.MockTransport(refuse)) as client:
-        with pytest.raises(jitflow.APIConnectionError):
+    seen.clear()
+    async with jitflow.AsyncClient("http://test", transport=httpx.MockTransport(refuse), max_retries=1) as client:
+        with pytest.raises(jitflow.APIConnectionError) as ei:
+            await client.chat.completions.create(model="demo", messages=MSG)
+    assert len(seen) == 2 and ei.value.attempts == 2
+
+    def slow(request):
+        seen.append(request)
+        raise httpx.ReadTimeout("slow", request=request)
+
+    seen.clear()
+    async with jitflow.AsyncClient("http://test", transport=httpx.MockTransport(slow)) as client:
+        with pytest.raises(jitflow.APITimeoutError):
             await client.chat.completions.create(model="demo", messages=MSG)
     assert len(seen) == 1
 

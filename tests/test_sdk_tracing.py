@@ -81,6 +81,7 @@ async def test_span_tree_attributes_and_traceparent(otel):
     wf = by_name["invoke_workflow research"][0]
     assert wf.parent is None and wf.kind == SpanKind.INTERNAL
     assert wf.attributes["gen_ai.operation.name"] == "invoke_workflow"
+    assert wf.attributes["gen_ai.workflow.name"] == wf.attributes["gen_ai.agent.name"] == "research"
     assert wf.attributes["jitflow.app"] == "research" and wf.attributes["jitflow.deadline"] == 20.0
     assert wf.attributes["jitflow.task_id"] == task.task_id and wf.attributes["jitflow.outcome"] == "succeeded"
 
@@ -96,6 +97,7 @@ async def test_span_tree_attributes_and_traceparent(otel):
         assert sp.kind == SpanKind.CLIENT and sp.parent.span_id == stage_sp.context.span_id
         a = sp.attributes
         assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "demo"
+        assert a["gen_ai.provider.name"] == "jitflow"
         assert a["server.address"] == "test" and a["server.port"] == 8123
         assert a["gen_ai.usage.input_tokens"] == 5
         assert a["gen_ai.usage.output_tokens"] == a["gen_ai.request.max_tokens"]

@@ -64,13 +64,20 @@ def test_official_openai_client_stream_and_plain(server_url):
     assert r.choices[0].finish_reason == "length"
     extra = r.model_extra["jitflow"]
     assert extra["kind"] == "deadline" and extra["slo_met"] is True
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=MSG, max_tokens=6, stream=True,
-        extra_body={"slo": {"kind": "latency", "ttft": 5, "tbt": 1}, "ignore_eos": True}))
-    assert chunks[0].choices[0].delta.role == "assistant"
+    slo = {"slo": {"kind": "latency", "ttft": 5, "tbt": 1}, "ignore_eos": True}
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, stream=True,
+                                                 extra_body=slo))
+    # without stream_options every chunk has a choice (OpenAI's shape): chunk.choices[0] never fails
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.choices for c in chunks)
     final = chunks[-1]
+    assert final.choices[0].finish_reason == "length" and final.usage is None
+    assert final.model_extra["jitflow"]["output_tokens"] == 6
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=slo))
+    final = chunks[-1]  # with include_usage: one more chunk, empty choices and the usage
     assert final.choices == [] and final.usage.completion_tokens == 6
     assert final.model_extra["jitflow"]["output_tokens"] == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
     c = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
                                   extra_body={"ignore_eos": True})
     assert c.usage.completion_tokens == 5 and isinstance(c.choices[0].text, str)

@@ -179,6 +179,9 @@ def test_one_trace_across_client_and_server(server_url, server_files):
     chat_ids = {format(c.context.span_id, "016x") for c in chats}
     assert all(s["parent_id"].removeprefix("0x") in chat_ids for s in serve)
     assert {s["name"] for s in server_spans} >= {"queue", "decode"}
+    attrs = serve[0]["attributes"]  # GenAI and HTTP semantic conventions on the server span
+    assert attrs["gen_ai.provider.name"] == "jitflow" and attrs["http.request.method"] == "POST"
+    assert attrs["http.route"] == "/v1/chat/completions" and attrs["http.response.status_code"] == 200
 
 
 def test_telemetry_to_a_dead_server_does_not_block_the_agent():

@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["CallRecord", "LLMCall", "ToolCall"]
 
+#: ``gen_ai.provider.name`` of the calls' spans (OpenTelemetry GenAI conventions: the provider as the
+#: instrumentation identifies it; the jitflow server is an OpenAI-compatible API of its own).
+PROVIDER_NAME = "jitflow"
+
 
 @dataclass
 class CallRecord:
@@ -163,6 +167,7 @@ class LLMCall:
         self.slo = slo
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": self.operation,
+            "gen_ai.provider.name": PROVIDER_NAME,
             "gen_ai.request.model": self.model,
             **self._server_attrs,
             **{k: v for k, v in self._request_attrs.items() if v is not None},

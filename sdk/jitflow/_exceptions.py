@@ -7,9 +7,9 @@ Hierarchy (modelled on httpx / openai-python)::
     │   ├── APIConnectionError         server unreachable, connection reset, protocol error
     │   │   └── APITimeoutError        the HTTP timeout elapsed
     │   └── APIStatusError             the server answered with an error status (or a mid-stream error)
-    │       ├── BadRequestError            400
+    │       ├── BadRequestError            400 (invalid request; the jitflow server's validation errors, ``param`` names the field)
     │       ├── NotFoundError              404 (unknown model, unknown task)
-    │       ├── UnprocessableEntityError   422 (validation error; ``param`` names the field)
+    │       ├── UnprocessableEntityError   422 (validation error as other servers send it)
     │       ├── AdmissionRejectedError     429/503 with error.type == "admission_rejected"
     │       ├── RateLimitError             other 429
     │       ├── InternalServerError        5xx
@@ -135,7 +135,8 @@ class NotFoundError(APIStatusError):
 
 
 class UnprocessableEntityError(APIStatusError):
-    """HTTP 422: the body failed validation (``param`` names the field, e.g. ``slo.ttft``)."""
+    """HTTP 422: the body failed validation, as some OpenAI-compatible servers report it (the jitflow
+    server sends validation errors as 400, :class:`BadRequestError`, with ``param`` naming the field)."""
 
 
 class RateLimitError(APIStatusError):

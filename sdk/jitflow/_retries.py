@@ -10,7 +10,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import APIError, APIStatusError
+from ._exceptions import APIConnectionError, APIError, APIStatusError, APITimeoutError
 
 if TYPE_CHECKING:  # pragma: no cover
     from opentelemetry.trace import Span
@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._calls import LLMCall
 
 DEFAULT_MAX_RETRIES = 2
-"""Retries of a 429/503 answer after the first attempt (``max_retries``; 0 disables them)."""
+"""Retries after the first attempt (``max_retries``; 0 disables them) of a 429/503 answer or of a
+connection that failed before any answer (reset, refused, closed keep-alive), as the OpenAI client does."""
 RETRY_STATUSES = frozenset({429, 503})
 INITIAL_RETRY_DELAY = 0.5  # s: first back-off when the server sent no Retry-After; doubles per retry
 MAX_BACKOFF = 8.0  # s: cap of that back-off
@@ -50,7 +51,9 @@ class RetryPolicy:
     """Retry decisions for one logical LLM call, as tenacity hooks (``**policy.options()``).
 
     Retried: an :class:`APIStatusError` with status 429 or 503 (the clients raise those only
-    before any response body is consumed), at most ``max_retries`` times, and only while
+    before any response body is consumed) and an :class:`APIConnectionError` that is not a timeout
+    (no answer came: a refused or reset connection, or a keep-alive connection the server closed as
+    the request went out; measured: one agent task in a demo run failed on such a ``ReadError``), at most ``max_retries`` times, and only while
     ``now + delay`` does not pass ``deadline_at`` (unix s; else the error is raised at once).
     The delay is computed once per attempt, so tenacity may call ``wait`` and ``stop`` in
     either order (it did change between versions).
@@ -108,6 +111,8 @@ class RetryPolicy:
 
     def retry(self, retry_state: RetryCallState) -> bool:
         error = self._error(retry_state)
+        if isinstance(error, APIConnectionError) and not isinstance(error, APITimeoutError):
+            return True
         return isinstance(error, APIStatusError) and error.status_code in RETRY_STATUSES
 
     def wait(self, retry_state: RetryCallState) -> float:

@@ -337,6 +337,9 @@ class TaskScope:
             kind=trace.SpanKind.INTERNAL,
             attributes={
                 "gen_ai.operation.name": "invoke_workflow",
+                # the workflow's name: semantic conventions 1.41 (gen_ai.workflow.name) and later (agent.name)
+                "gen_ai.workflow.name": task.app,
+                "gen_ai.agent.name": task.app,
                 "jitflow.app": task.app,
                 "jitflow.task_id": task.task_id,
                 "jitflow.deadline": task.deadline,

@@ -102,6 +102,9 @@ def register(app: typer.Typer) -> None:
                        "engine's measured speed, instead of starting it late."),
         admission_safety: float = typer.Option(
             1.0, min=0.1, max=10.0, help="Multiplies the service-time estimate of deadline admission."),
+        analyzer_budget: float = typer.Option(
+            0.05, min=0.001, max=10.0, help="The longest a compound call waits for its pattern match (s); past "
+                                            "it the call gets the fallback sub-deadline and a metric counts it."),
     ) -> None:
         """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
         import os
@@ -157,10 +160,14 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
         settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
                                   api_keys=keys, deadline_admission=deadline_admission,
-                                  admission_safety=admission_safety)
+                                  admission_safety=admission_safety, analyzer_budget=analyzer_budget)
         start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
         uvicorn.run(create_app(VLLMEngine(cfg), settings, owns_engine=True), host=host, port=port,
-                    log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+                    log_level=log_level, timeout_graceful_shutdown=drain_timeout,
+                    # longer than clients keep idle connections (httpx: 5 s), so a client never sends a
+                    # request on a connection the server is closing (uvicorn's default is also 5 s: a
+                    # demo task failed on that race with ReadError)
+                    timeout_keep_alive=75)
 
     @app.command("vllm-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def vllm_serve(

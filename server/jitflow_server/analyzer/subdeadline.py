@@ -30,6 +30,7 @@ Fallbacks (:func:`stage_share`), all documented in ``docs/analyzer.md``:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,3 +286,19 @@ def remaining_time(
     if g is None or stage_index + 1 >= g.n_stages:
         return 0.0
     return float(stage_times(g, time_model)[stage_index + 1 :].sum())
+
+
+def time_model_from_env() -> TokenTimeModel:
+    """The sub-deadline time model: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds per
+    decode / prefill token, e.g. the served engine's measured speed), else the default. Raises
+    ``ValueError`` naming the variable when it is malformed."""
+    spec = os.environ.get("JITFLOW_TIME_MODEL", "").strip()
+    if not spec:
+        return DEFAULT_TIME_MODEL
+    try:
+        dec, pre = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"JITFLOW_TIME_MODEL must be 'DECODE_S,PREFILL_S', got {spec!r}") from None
+    if not (math.isfinite(dec) and math.isfinite(pre) and dec > 0 and pre >= 0):
+        raise ValueError(f"JITFLOW_TIME_MODEL values must be finite and positive, got {spec!r}")
+    return TokenTimeModel(prefill_s_per_token=pre, decode_s_per_token=dec)

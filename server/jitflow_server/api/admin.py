@@ -27,10 +27,20 @@ def register_admin_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "engine_dead"}, status_code=503)
         return {"status": "ok", "model": state.model_name}
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "jitflow",
+                "max_model_len": eng.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                             "owned_by": "jitflow", "max_model_len": eng.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           type="invalid_request_error", param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jitflow_server.api.admin import register_admin_routes
 from jitflow_server.api.auth import Auth
 from jitflow_server.api.limits import BodySizeLimit
+from jitflow_server.api.request_id import RequestId
 from jitflow_server.api.schemas import APIError, ChatCompletionRequest, CompletionRequest
 from jitflow_server.api.serving import serve_request
 from jitflow_server.api.state import ServerSettings, ServerState
@@ -81,6 +82,18 @@ def _length_service(state: ServerState):
     return LengthService.from_default_model(counter=counter, telemetry_path=tele)
 
 
+async def close_implicit_tasks(state, period: float = 5.0) -> None:
+    """Every ``period`` s, complete the implicit tasks that are over (:meth:`TaskManager.close_implicit`);
+    runs until cancelled (the app's lifespan owns it)."""
+    while True:
+        await asyncio.sleep(period)
+        if state.tasks is not None:
+            try:
+                await asyncio.to_thread(state.tasks.close_implicit)
+            except Exception:
+                logger.warning("closing implicit tasks failed", exc_info=True)
+
+
 def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_engine: bool = False) -> FastAPI:
     """Build the ASGI app around ``engine``; with ``owns_engine`` the lifespan starts and shuts it down."""
     settings = settings or ServerSettings()
@@ -94,7 +107,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
         await attach_tasks(app, state)
         if settings.length_predictor:
             state.attach_length_service(await asyncio.to_thread(_length_service, state))
-        background = [asyncio.create_task(state.push_bounds(), name="push-length-bounds")]
+        background = [asyncio.create_task(state.push_bounds(), name="push-length-bounds"),
+                      asyncio.create_task(close_implicit_tasks(state), name="close-implicit-tasks")]
         if settings.deadline_admission:
             background.append(asyncio.create_task(state.poll_service(), name="poll-engine-speed"))
         try:
@@ -112,7 +126,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
 
     app = FastAPI(title="jitflow", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(Auth, keys=settings.api_keys)  # outermost: no body is read before the key is checked
+    app.add_middleware(Auth, keys=settings.api_keys)  # no body is read before the key is checked
+    app.add_middleware(RequestId)  # outermost: every answer, 401 and 413 included, names its request
     app.state.jitflow = state
     register_task_routes(app, state)
     register_admin_routes(app, state)

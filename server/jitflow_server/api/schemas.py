@@ -88,6 +88,9 @@ class TaskContext(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     task_id: str = Field(min_length=1, max_length=200)
+    #: the application of a task the call registers implicitly (no ``POST /v1/tasks``); ignored for a
+    #: registered task, which named its app when it was registered
+    app: str | None = Field(default=None, min_length=1, max_length=200)
     stage: str | None = None
     stage_index: int = Field(default=0, ge=0)
     call_id: str | None = None
@@ -149,6 +152,23 @@ class _Common(BaseModel):
     #: vLLM's ``vllm_xargs`` (flat values). Keys reserved for jitflow (``jitflow_hints``, ``jf_*``,
     #: ``jitflow*``) are rejected with 400: the server alone sets a request's scheduling hints.
     vllm_xargs: dict[str, str | int | float] | None = None
+    #: OpenAI fields this server does not implement: accepted when they ask for nothing (``tools: []``,
+    #: ``tool_choice: "none"``, ``logprobs: false``), refused with a 400 naming the field otherwise, never
+    #: silently dropped (a client asking for tool calls must not get a plain answer as if it had none).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs")
+    @classmethod
+    def _not_served(cls, v: Any, info) -> Any:
+        if v is None or v == "none" or (not v and not isinstance(v, str)):  # empty, false, 0: asks for nothing
+            return v
+        what = "logprobs are" if "logprobs" in info.field_name else "tool calling is"
+        raise ValueError(f"{what} not supported by this server")
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from jitflow_server.analyzer.advisor import resolve_len_bound
 from jitflow_server.api.auth import request_tenant
 from jitflow_server.api.calls import LiveCall, deadline_infeasible
+from jitflow_server.api.context_headers import context_from_headers
 from jitflow_server.api.limits import check_json_schema
 from jitflow_server.api.schemas import SLO, APIError
 from jitflow_server.api.state import ServerState
@@ -108,8 +109,9 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
     if bad:
         raise APIError(400, f"vllm_xargs key {bad[0]!r} is reserved: jitflow sets scheduling hints itself",
                        param=f"vllm_xargs.{bad[0]}")
-    slo = body.slo or SLO()
-    task_ctx = body.jitflow
+    h_slo, h_task = context_from_headers(request.headers)
+    slo = body.slo or h_slo or SLO()
+    task_ctx = body.jitflow or h_task
     slo.check_required(in_task=task_ctx is not None)
     max_tokens = _check_lengths(state, body, len(prompt_ids), chat)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -122,8 +124,10 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
     advice = None
     app_name = None
     if state.tasks is not None and task_ctx is not None:
-        advice = state.tasks.advise_call(task_ctx, body.model, rid, len(prompt_ids), max_tokens, timing,
-                                         tenant)
+        advice = await state.tasks.advise_call(task_ctx, body.model, rid, len(prompt_ids), max_tokens, timing,
+                                               tenant)
+        if advice.analyzer != "ok":
+            state.metrics.analyzer_fallbacks.labels(advice.analyzer).inc()
         timing.slo = advice.slo
         timing.sub_deadline = advice.sub_deadline
         app_name = advice.app
@@ -201,7 +205,8 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
     finish = _Finisher(state, call, span, task_ctx, tenant)
     if not body.stream:
         return await _respond_json(state, call, first, finish, chat, request)
-    return StreamingResponse(_respond_stream(state, call, first, finish, chat), media_type="text/event-stream",
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(_respond_stream(state, call, first, finish, chat, usage), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
 
@@ -302,7 +307,10 @@ async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Fini
 
 
 async def _respond_stream(state: ServerState, call: LiveCall, first, finish: _Finisher,
-                          chat: bool) -> AsyncIterator[bytes]:
+                          chat: bool, usage: bool) -> AsyncIterator[bytes]:
+    """The SSE stream as OpenAI sends it: a role chunk (chat), content chunks, the last one with its
+    ``finish_reason`` and jitflow's ``jitflow`` summary (an extra field clients ignore), then, only with
+    ``stream_options.include_usage``, a chunk with empty ``choices`` and the ``usage``, then ``[DONE]``."""
     ok = False
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": call.rid, "object": obj, "created": int(call.timing.arrival), "model": state.model_name}
@@ -323,13 +331,16 @@ async def _respond_stream(state: ServerState, call: LiveCall, first, finish: _Fi
                     choice = {"index": 0, "delta": {"content": text}, "finish_reason": fr, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": text, "finish_reason": fr, "logprobs": None}
-                yield _sse({**head, "choices": [choice]})
+                extra = {}
+                if call.finished:
+                    ok = call.finish_reason is not None and call.finish_reason != "abort"
+                    extra = {"jitflow": finish(ok)}
+                yield _sse({**head, "choices": [choice], **extra})
             if call.finished:
                 break
             ev = await call.next()
-        ok = call.finish_reason is not None and call.finish_reason != "abort"
-        summary = finish(ok)
-        yield _sse({**head, "choices": [], "usage": _usage(call), "jitflow": summary})
+        if usage:
+            yield _sse({**head, "choices": [], "usage": _usage(call), "jitflow": finish(ok)})
         yield b"data: [DONE]\n\n"
     finally:
         state.in_flight -= 1

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jitflow_server.analyzer.budget import DEFAULT_ANALYZER_BUDGET
 from jitflow_server.api.auth import APIKey
 from jitflow_server.api.limits import DEFAULT_MAX_BODY_BYTES
 from jitflow_server.engine.protocol import Engine
@@ -42,7 +43,8 @@ class ServerSettings:
     tenants and scopes (empty: no authentication, ``api/auth.py``); ``deadline_admission``: hold
     E2EL-deadline requests to their latest feasible start (``scheduler/admission.py``), with the service
     time estimate multiplied by ``admission_safety``; ``service_poll_period``: how often the engine's
-    measured speed is read for it (s).
+    measured speed is read for it (s); ``analyzer_budget``: the longest a compound call waits for its
+    pattern match (s, ``analyzer/budget.py``).
     """
 
     default_waiting_time: float = 5.0
@@ -55,6 +57,7 @@ class ServerSettings:
     deadline_admission: bool = True
     admission_safety: float = 1.0
     service_poll_period: float = 0.5
+    analyzer_budget: float = DEFAULT_ANALYZER_BUDGET
 
 
 class ServerState:
@@ -190,4 +193,7 @@ class ServerState:
             pred = self.length.predictor
             out["length_predictor"] = {"model": pred is not None, "version": getattr(pred, "version", None),
                                        **self.length.stats}
+        if self.tasks is not None:
+            b = self.tasks.budgeted
+            out["analyzer"] = {"budget_s": b.budget, "pending": b.pending, **b.stats}
         return out

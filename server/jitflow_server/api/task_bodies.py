@@ -63,9 +63,14 @@ MAX_STAGE_INDEX = 10_000
 _Name = Annotated[str, Field(min_length=1, max_length=200)]
 
 
+#: Latest accepted unix time (s): 2286-11-20. Times past it cannot be real, and the history's binary
+#: form stores node times relative to the task start as float32 (a fuzzed 1e300 made a 500).
+MAX_UNIX_TIME = 1e10
+
+
 def _finite_time(v: float | None) -> float | None:
-    if v is not None and not (math.isfinite(v) and v >= 0):
-        raise ValueError("must be a finite, non-negative unix time in seconds")
+    if v is not None and not (math.isfinite(v) and 0 <= v <= MAX_UNIX_TIME):
+        raise ValueError(f"must be a finite unix time in seconds between 0 and {MAX_UNIX_TIME:.0e}")
     return v
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,8 +37,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
+from jitflow_server.analyzer.budget import DEFAULT_ANALYZER_BUDGET, DEFAULT_ANALYZER_QUEUE, BudgetedAdvisor
 from jitflow_server.analyzer.stage_length import StageLengthSamples
-from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, TokenTimeModel
+from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, TokenTimeModel, time_model_from_env
 from jitflow_server.api.auth import request_tenant, tenants
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.task_bodies import (  # noqa: F401  (re-exported: the endpoints' bodies)
@@ -67,7 +67,8 @@ class CallAdvice:
     the matched graph (``None``/fallback without a match); ``len_bound``: the matched stages' length
     bound, calibrated and capped at ``max_tokens`` (``None`` without a match); ``len_samples``: what the
     bound is refined from while the call runs (``None`` without a match); ``stage_pos``: the stage's
-    position among the task's stages (the key of the stage calibrator).
+    position among the task's stages (the key of the stage calibrator); ``analyzer``: ``"ok"``, or why
+    the call got the fallback advice (``analyzer/budget.py``).
     """
 
     slo: SLOSpec
@@ -80,6 +81,7 @@ class CallAdvice:
     len_bound: int | None
     len_samples: StageLengthSamples | None = None
     stage_pos: int = 0
+    analyzer: str = "ok"
 
 
 def _with_client_start(body: TaskCreate) -> dict[str, Any]:
@@ -129,6 +131,7 @@ class TaskState:
     error: str | None = None
     end_time: float | None = None
     implicit: bool = False
+    auto_closed: bool = False  # an implicit task the server completed (close_implicit)
     stored_graph_id: int | None = None
     tenant: str = ""
 
@@ -171,11 +174,16 @@ class TaskManager:
         max_tasks: finished tasks kept in memory for ``GET /v1/tasks/{id}``.
         tenants: tenants besides the default one (``api/auth.py``); each gets its own copy of ``patterns``
             as initial history (its applications are ``tenant/app`` in the store).
+        analyzer_budget, analyzer_queue: the pattern match's time budget (s) and queue
+            (:class:`~jitflow_server.analyzer.budget.BudgetedAdvisor`, which :attr:`budgeted` is).
+    Raises ``ValueError`` for an invalid budget or queue.
     """
 
     def __init__(self, db_path: str | Path | None = None, patterns: list[Path] | None = None,
                  telemetry_path: Path | None = None, max_tasks: int = 10_000,
-                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL, tenants: list[str] | None = None) -> None:
+                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL, tenants: list[str] | None = None,
+                 analyzer_budget: float = DEFAULT_ANALYZER_BUDGET,
+                 analyzer_queue: int = DEFAULT_ANALYZER_QUEUE) -> None:
         from jitflow_server.analyzer.matcher import Matcher
         from jitflow_server.store.history import HistoryStore, default_db_path
 
@@ -187,6 +195,7 @@ class TaskManager:
         self.matcher = Matcher(self.store)
         self.advisor = CompoundAdvisor("pattern", matcher_for=lambda app: self.matcher, time_model=time_model,
                                        stats=AppStats(typical_stages=self.store.typical_stages))
+        self.budgeted = BudgetedAdvisor(self.advisor, analyzer_budget, analyzer_queue)
         self.tasks: dict[str, TaskState] = {}
         self.max_tasks = max_tasks
         self.telemetry_path = telemetry_path
@@ -312,10 +321,33 @@ class TaskManager:
         if graph is not None and graph.n_stages > 0:
             try:
                 t.stored_graph_id = self.store.insert(graph)
-            except ValueError as exc:
+            except (ValueError, OverflowError) as exc:  # a graph the binary form cannot hold: not history
                 logger.warning("task %s not stored: %s", task_id, exc)
         self._write_telemetry(t)
         return t
+
+    def close_implicit(self, now: float | None = None, idle_s: float = 10.0) -> int:
+        """Complete the implicit tasks (calls that named a task nobody registered, e.g. a plain OpenAI
+        client sending task headers) once their deadline has passed and no call ran for ``idle_s``
+        seconds (or :data:`ABANDONED_AFTER_S` after the deadline, whatever runs): ``succeeded`` when every
+        call ended without error by the deadline, ``deadline_missed`` when one ended after it, ``failed``
+        otherwise. Their graphs go into the history like a completed task's (under ``jitflow.app``).
+        Returns how many were completed. Unix s."""
+        now = time.time() if now is None else now
+        closed = 0
+        for t in [t for t in list(self.tasks.values()) if t.implicit and t.outcome is None]:
+            due = t.t0 + t.deadline
+            nodes = list(t.nodes.values())
+            running = any(n.end is None for n in nodes)
+            last = max([n.end or n.start or t.t0 for n in nodes], default=t.t0)
+            if now < due or (now < due + ABANDONED_AFTER_S and (running or now - last < idle_s)):
+                continue
+            failed = running or any(n.error for n in nodes)
+            t.auto_closed = True
+            self.complete(t.task_id, TaskComplete(outcome="failed" if failed else "succeeded",
+                                                  end_time=min(last, now)), t.tenant)
+            closed += 1
+        return closed
 
     # --------------------------------------------------------------- matching
     def _graph(self, t: TaskState, final: bool = False):
@@ -345,23 +377,26 @@ class TaskManager:
             logger.warning("task %s has no valid pattern graph: %s", t.task_id, exc)
             return None
 
-    def advise_call(self, ctx, model: str, rid: str, prompt_tokens: int, max_tokens: int,
-                    timing, tenant: str = "") -> CallAdvice:
+    async def advise_call(self, ctx, model: str, rid: str, prompt_tokens: int, max_tokens: int,
+                          timing, tenant: str = "") -> CallAdvice:
         """Extend the task's partial graph with an LLM call and return the advice for its stage.
 
         ``ctx`` is the request's ``jitflow`` task context, ``timing`` its ``RequestTiming`` (arrival, unix
-        s; SLO with the waiting time). Raises ``APIError(400)`` for a call of an unregistered task
+        s; SLO with the waiting time). The pattern match runs within the analyzer's time budget
+        (:attr:`budgeted`; past it, the fallback advice and ``CallAdvice.analyzer`` says why). Raises ``APIError(400)`` for a call of an unregistered task
         without ``slo.deadline`` and ``APIError(409)`` for a call of a completed task.
         """
         now = timing.arrival
         key = tenant_key(tenant, ctx.task_id)
         t = self.tasks.get(key)
-        if t is None:  # first call before (or without) registration: an implicit task
+        if t is None or t.auto_closed:
+            # first call before (or without) registration: an implicit task (one that the server closed
+            # after its deadline, see close_implicit, starts again)
             d = timing.slo.deadline
             if d is None:
                 raise APIError(400, f"task {ctx.task_id!r} is not registered and the call has no slo.deadline",
                                param="jitflow.task_id")
-            t = TaskState(ctx.task_id, tenant_key(tenant, "unknown"), d, now, implicit=True, tenant=tenant)
+            t = TaskState(ctx.task_id, tenant_key(tenant, ctx.app or "unknown"), d, now, implicit=True, tenant=tenant)
             self.tasks[key] = t
             self._trim()
         if t.outcome is not None:
@@ -373,7 +408,7 @@ class TaskManager:
         cid = ctx.call_id or rid
         t.nodes[cid] = _Node(cid, "llm", model, s, list(ctx.parents), prompt_tokens, None, now, request_id=rid)
         stage_pos = sorted({n.stage for n in t.nodes.values()}).index(s)
-        advice = self.advisor.advise(t.app, self._graph(t), stage_pos, t.t0, t.deadline)
+        advice, analyzer = await self.budgeted.advise(t.app, self._graph(t), stage_pos, t.t0, t.deadline)
         t.sub_deadlines[s] = advice.sub_deadline
         t.matched = advice.matched
         remaining = max(1e-3, t.t0 + t.deadline - now)
@@ -384,7 +419,8 @@ class TaskManager:
         return CallAdvice(slo=slo, app=t.app, task_id=t.task_id, stage_index=s, sub_deadline=advice.sub_deadline,
                           task_tokens_est=advice.task_tokens_est if advice.matched else None,
                           task_rem_gen_time=advice.task_rem_gen_time, len_bound=bound,
-                          len_samples=advice.len_samples if bound is not None else None, stage_pos=stage_pos)
+                          len_samples=advice.len_samples if bound is not None else None, stage_pos=stage_pos,
+                          analyzer=analyzer)
 
     def on_call_end(self, ctx, rid: str, timing, ok: bool, tenant: str = "") -> None:
         """Record the finished call's lengths and times in the task's graph."""
@@ -413,24 +449,9 @@ class TaskManager:
             logger.warning("telemetry write failed: %s", exc)
 
     async def close(self) -> None:
-        """Close the history store."""
+        """Stop the analyzer thread and close the history store."""
+        self.budgeted.close()
         self.store.close()
-
-
-def time_model_from_env() -> TokenTimeModel:
-    """The sub-deadline time model: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds per
-    decode / prefill token, e.g. the served engine's measured speed), else the default. Raises
-    ``ValueError`` naming the variable when it is malformed."""
-    spec = os.environ.get("JITFLOW_TIME_MODEL", "").strip()
-    if not spec:
-        return DEFAULT_TIME_MODEL
-    try:
-        dec, pre = (float(x) for x in spec.split(","))
-    except ValueError:
-        raise ValueError(f"JITFLOW_TIME_MODEL must be 'DECODE_S,PREFILL_S', got {spec!r}") from None
-    if not (math.isfinite(dec) and math.isfinite(pre) and dec > 0 and pre >= 0):
-        raise ValueError(f"JITFLOW_TIME_MODEL values must be finite and positive, got {spec!r}")
-    return TokenTimeModel(prefill_s_per_token=pre, decode_s_per_token=dec)
 
 
 async def attach_tasks(app: FastAPI, state) -> None:
@@ -441,7 +462,7 @@ async def attach_tasks(app: FastAPI, state) -> None:
     tele = os.environ.get("JITFLOW_TELEMETRY")
     tm = time_model_from_env()
     state.tasks = await asyncio.to_thread(TaskManager, None, patterns, Path(tele) if tele else None, 10_000, tm,
-                                          tenants(state.settings.api_keys))
+                                          tenants(state.settings.api_keys), state.settings.analyzer_budget)
 
 
 def register_task_routes(app: FastAPI, state) -> None:

@@ -37,7 +37,9 @@ def setup_tracing_from_env() -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "jitflow-server"}))
+    # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win over our default name (Resource.create reads them)
+    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    provider = TracerProvider(resource=Resource.create({} if named else {"service.name": "jitflow-server"}))
     if spec == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
     elif spec.startswith("file:"):
@@ -72,6 +74,9 @@ def start_request_span(model: str, request, timing, *, chat: bool, task_ctx=None
     span = tracer().start_span(f"serve {model}", context=propagate.extract(dict(request.trace_headers or {})),
                                kind=trace.SpanKind.SERVER, start_time=int(timing.arrival * 1e9))
     span.set_attributes({"gen_ai.operation.name": "chat" if chat else "text_completion",
+                         "gen_ai.provider.name": "jitflow",
+                         "http.request.method": "POST",
+                         "http.route": "/v1/chat/completions" if chat else "/v1/completions",
                          "gen_ai.request.model": model, "gen_ai.request.max_tokens": request.max_tokens,
                          "gen_ai.response.id": request.request_id, "jitflow.slo.kind": timing.slo.kind,
                          "gen_ai.usage.input_tokens": timing.prompt_tokens})
@@ -96,7 +101,8 @@ def end_request_span(span: trace.Span, timing, summary: dict, finish_reason: str
         d.set_attribute("gen_ai.usage.output_tokens", summary["output_tokens"])
         d.end(end_time=int(end * 1e9))
     span.set_attributes({"gen_ai.usage.output_tokens": summary["output_tokens"],
-                         "gen_ai.response.finish_reasons": [finish_reason or "abort"]})
+                         "gen_ai.response.finish_reasons": [finish_reason or "abort"],
+                         "http.response.status_code": 200})  # the span starts once the request is accepted
     for k in ("ttft", "e2el", "slo_met"):
         if summary.get(k) is not None:
             span.set_attribute(f"jitflow.{k}", summary[k])

@@ -173,6 +173,8 @@ def register(bench_app: typer.Typer) -> None:
         telemetry_tasks: int = typer.Option(200, "--telemetry-tasks", min=0, help="Tasks committed before kill -9."),
         compare_admission: bool = typer.Option(True, help="Repeat the burst without deadline admission."),
         seed: int = typer.Option(0, "--seed"),
+        param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE of the server "
+                                        "(jitflow serve --param; repeatable)."),
     ) -> None:
         """Attack a real server: fuzz, mid-stream disconnects, a 10× burst, kill -9 and restart; report the
         damage against the targets (JSON + markdown). Exit code 1 when a target is missed."""
@@ -181,7 +183,7 @@ def register(bench_app: typer.Typer) -> None:
         opts = ChaosOptions(out=out, model=model, batch_size=batch_size, fuzz=fuzz, disconnects=disconnects,
                             burst_factor=burst_factor, burst_s=burst_s, burst_deadline=burst_deadline,
                             telemetry_tasks=telemetry_tasks, compare_admission=compare_admission, seed=seed,
-                            extra_server_args=["--policy", policy])
+                            extra_server_args=["--policy", policy, *(x for p in param for x in ("--param", p))])
         t0 = time.monotonic()
 
         def say(msg: str) -> None:

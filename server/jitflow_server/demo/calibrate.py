@@ -162,7 +162,8 @@ async def _stream_one(client: Any, path: str, body: dict[str, Any], chunks: list
     """Stream one request, appending the arrival time of every content chunk to ``chunks``; returns the
     final chunk's ``{"usage", "jitflow"}`` (None if the stream did not finish)."""
     final = None
-    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+    async with client.stream("POST", path, json={**body, "stream": True,
+                                                 "stream_options": {"include_usage": True}}) as r:
         if r.status_code != 200:
             await r.aread()
             return None

@@ -43,6 +43,9 @@ def register(app: typer.Typer) -> None:
         deadline: float = typer.Option(20.0, help="Deadline-request SLO (s)."),
         grace: float = typer.Option(20.0, help="Max seconds chat requests may run after a phase's arrivals end."),
         startup_timeout: float = typer.Option(300.0, help="Max seconds to wait for each server's /health."),
+        scale_slos: bool = typer.Option(True, help="Stretch the time SLOs above by this machine's measured step "
+                                        "time against the 125 ms they are set for (0.25-4×), as the load is sized "
+                                        "by its capacity."),
     ) -> None:
         """The main job: measure this machine, then serve a mixed chat / deadline / agent-task load at 0.7× and
         1.5× its capacity under stock vLLM and under jitflow, on the same arrivals, and report both."""
@@ -67,7 +70,7 @@ def register(app: typer.Typer) -> None:
                            normal_load=normal_load, burst_load=burst_load, capacity_scale=capacity,
                            recalibrate=recalibrate, slos=slos, seed=seed, out=out,
                            patterns=[] if no_patterns else (list(patterns) if patterns else None),
-                           startup_timeout=startup_timeout, params=list(param))
+                           startup_timeout=startup_timeout, params=list(param), scale_slos=scale_slos)
         try:
             opts.validate()
         except ValueError as e:

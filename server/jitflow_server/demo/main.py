@@ -3,7 +3,8 @@
 1. The length model is trained once (or reused from its cache) while the first server starts.
 2. The first server (the baseline) starts; the engine's capacity on the demo's mix is measured on it
    (or read from the per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase
-   (1.5×).
+   (1.5×). The SLOs scale with the measured step time too (:func:`slo_factor`): the load and the SLOs
+   are then the same for the engine whatever the CPU.
 3. Each side (baseline, then jitflow) gets a fresh server, fresh pattern history (``patterns/*.jsonl``)
    and the identical plans (same arrivals, prompts, tasks). Between phases the engine drains.
 4. The report compares the sides per phase (``report.py``).
@@ -35,7 +36,15 @@ from jitflow_server.demo.calibrate import (
     task_calls,
 )
 from jitflow_server.demo.length_model import DEFAULT_DIR, LengthModelJob, start_length_model
-from jitflow_server.demo.plan import REPO_ROOT, DemoConfig, DemoError, Plan, build_plan, phase_config
+from jitflow_server.demo.plan import (
+    REPO_ROOT,
+    DemoConfig,
+    DemoError,
+    Plan,
+    build_plan,
+    phase_config,
+    scaled_slos,
+)
 from jitflow_server.demo.report import build_report, print_comparison, print_summary, write_markdown
 from jitflow_server.demo.runner import _import_examples, run_load
 
@@ -91,6 +100,7 @@ class DemoOptions:
         startup_timeout: seconds to wait for each server's ``/health``.
         capacity_cache, model_cache: cache locations.
         params: ``NAME=VALUE`` parameters of jitflow's policy (``jitflow serve --param``).
+        scale_slos: multiply ``slos``' times by :func:`slo_factor` of the measured capacity.
     """
 
     data_dir: Path | None = None
@@ -112,6 +122,7 @@ class DemoOptions:
     capacity_cache: Path = DEFAULT_CACHE
     model_cache: Path = DEFAULT_DIR
     params: list[str] = field(default_factory=list)
+    scale_slos: bool = True
 
     def sides(self) -> list[Side]:
         """The baseline (if any) first, then jitflow."""
@@ -267,11 +278,27 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
     return cap
 
 
+#: The engine step time (s between tokens at a full batch of 32, the demo model) that the default SLOs
+#: were set for: chat TBT 0.1 s is 0.8 of it. Measured machines: 0.12-0.13 s on a 2-core AVX-512 CPU with
+#: bf16, 0.18 s on one without (float32), where the unscaled SLOs left stock vLLM 62 % of chat and 44 %
+#: of deadline SLOs at 0.7× capacity, so that the demo said more about the CPU than about scheduling.
+REFERENCE_STEP_S = 0.125
+
+
+def slo_factor(opts: DemoOptions, cap: Capacity) -> float:
+    """How much this machine's SLOs are stretched: ``cap.step_s / REFERENCE_STEP_S`` clipped to
+    [0.25, 4]; 1 when ``opts.scale_slos`` is off or the step time is unknown (``--capacity`` given)."""
+    if not opts.scale_slos or not (cap.step_s == cap.step_s and cap.step_s > 0):
+        return 1.0
+    return min(4.0, max(0.25, cap.step_s / REFERENCE_STEP_S))
+
+
 def _phases(opts: DemoOptions, cap: Capacity) -> list[Phase]:
     out = []
+    slos = scaled_slos(opts.slos, slo_factor(opts, cap))
     for i, (name, load) in enumerate((("normal", opts.normal_load), ("burst", opts.burst_load))):
         scale = load * cap.scale
-        cfg = phase_config(scale, opts.phase_duration, opts.seed + i, opts.slos)
+        cfg = phase_config(scale, opts.phase_duration, opts.seed + i, slos)
         out.append(Phase(name, load, scale, cfg, build_plan(cfg, opts.data_dir)))
     return out
 
@@ -330,6 +357,11 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             if cap is None:
                 cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console)
                 phases = _phases(opts, cap)
+                f, s = slo_factor(opts, cap), phases[0].cfg
+                console.print(f"SLOs ×{f:.2f} for this machine's speed ({cap.step_s * 1000:.0f} ms between tokens at "
+                              f"full batch, set for {REFERENCE_STEP_S * 1000:.0f} ms): chat TTFT {s.ttft:.2f} s, TBT "
+                              f"{s.tbt:.3f} s; deadline {s.deadline:.1f} s; tasks {s.research_deadline:.0f} / "
+                              f"{s.tot_deadline:.0f} s")
                 for ph in phases:
                     c = ph.cfg
                     console.print(f"phase [bold]{ph.name}[/bold]: {ph.load:.1f}× capacity = chat {c.chat_rate:.2f}/s, "
@@ -359,6 +391,8 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         assert cap is not None
         report = build_report(opts, cap, phases, sides, runs, length, served, REPORT_VERSION)
         report["speed_probe_tbt_s"] = speed
+        report["slo_factor"] = slo_factor(opts, cap)
+        report["slo_reference_step_s"] = REFERENCE_STEP_S
         report["speed_warning"] = speed_warning(speed)
         report["wall_s"] = time.monotonic() - t_start
         print_comparison(report, console)

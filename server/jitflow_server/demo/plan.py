@@ -86,6 +86,15 @@ class BaseMix:
 BASE_MIX = BaseMix()
 
 
+def scaled_slos(slos: DemoConfig, factor: float) -> DemoConfig:
+    """``slos`` with every time SLO (chat TTFT and TBT, the deadline requests' E2EL, both task deadlines)
+    multiplied by ``factor`` (> 0). Raises ``ValueError`` for a factor that is not positive and finite."""
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"SLO factor must be positive, got {factor!r}")
+    return replace(slos, ttft=slos.ttft * factor, tbt=slos.tbt * factor, deadline=slos.deadline * factor,
+                   research_deadline=slos.research_deadline * factor, tot_deadline=slos.tot_deadline * factor)
+
+
 def phase_config(scale: float, duration: float, seed: int, slos: DemoConfig,
                  mix: BaseMix = BASE_MIX) -> DemoConfig:
     """The load of one demo phase: ``mix`` times ``scale`` for ``duration`` seconds (task counts rounded,

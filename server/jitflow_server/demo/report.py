@@ -122,6 +122,7 @@ def build_report(opts: Any, cap: Any, phases: list[Any], sides: list[Any], runs:
     warning = None if used == "qrf" else (
         f"the {main_label} server did not load the trained length model ({length.path}); it used the running "
         "per-application quantiles instead")
+    slos = phases[0].cfg if phases else opts.slos  # as run: scaled to the machine (demo/main.py)
     return {
         "version": version, "model": opts.model, "data": str(opts.data_dir) if opts.data_dir else None,
         "seed": opts.seed, "wall_s": None,
@@ -131,8 +132,8 @@ def build_report(opts: Any, cap: Any, phases: list[Any], sides: list[Any], runs:
                     "research_tasks": ph.cfg.research_tasks, "tot_tasks": ph.cfg.tot_tasks,
                     "prompt_source": ph.plan.prompt_source, "arrival_source": ph.plan.arrival_source,
                     "counts": ph.plan.counts()} for ph in phases],
-        "slos": {"ttft_s": opts.slos.ttft, "tbt_s": opts.slos.tbt, "deadline_s": opts.slos.deadline,
-                 "research_deadline_s": opts.slos.research_deadline, "tot_deadline_s": opts.slos.tot_deadline},
+        "slos": {"ttft_s": slos.ttft, "tbt_s": slos.tbt, "deadline_s": slos.deadline,
+                 "research_deadline_s": slos.research_deadline, "tot_deadline_s": slos.tot_deadline},
         "sides": [{"label": s.label, "scheduler": s.scheduler, "policy": s.policy} for s in sides],
         "baseline": base_label, "main": main_label,
         "length_predictor": {"used": used, "path": str(length.path), "source": length.source_kind,

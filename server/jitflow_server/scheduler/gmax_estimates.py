@@ -157,7 +157,10 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
         val = base[i] * weight + (0.0 if is_be else req_value)
         goodput[i] = np.where(ok, val, 0.0)
         if marginal is not None:
-            marginal[i] = np.where(ok & (t_gen[i] > tr - frame_s), val, 0.0)
+            urgent = t_gen[i] > tr - frame_s
+            if prm.jit_commit and not is_be:
+                urgent |= gen[i] > 0  # started: never deferred just in time (GMAXParams.jit_commit)
+            marginal[i] = np.where(ok & urgent, val, 0.0)
 
     # compound stage groups: aggregate over members, share one priority
     if comp_i.size:

@@ -75,6 +75,9 @@ class ServerMetrics:
         self.in_flight = Gauge("jitflow_requests_in_flight", "Requests being served", registry=r)
         self.engine_waiting = Gauge("jitflow_engine_waiting", "Requests in the engine's waiting queue", registry=r)
         self.engine_running = Gauge("jitflow_engine_running", "Requests in the engine's running set", registry=r)
+        self.analyzer_fallbacks = Counter("jitflow_analyzer_fallbacks", "Compound calls served with the fallback "
+                                          "advice because the pattern match timed out, was queued too deep or "
+                                          "failed", ["reason"], registry=r)
 
     def observe(self, timing: RequestTiming, outcome: str, summary: dict) -> None:
         """Record one finished request (``outcome``: slo_met|slo_missed|best_effort|aborted|rejected|error)."""
