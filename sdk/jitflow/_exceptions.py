@@ -7,7 +7,7 @@ Hierarchy (modelled on httpx / openai-python)::
     │   ├── APIConnectionError         server unreachable, connection reset, protocol error
     │   │   └── APITimeoutError        the HTTP timeout elapsed
     │   └── APIStatusError             the server answered with an error status (or a mid-stream error)
-    │       ├── BadRequestError            400 (invalid request; the jitflow server's validation errors, ``param`` names the field)
+    │       ├── BadRequestError            400 (validation errors of the jitflow server; ``param`` names the field)
     │       ├── NotFoundError              404 (unknown model, unknown task)
     │       ├── UnprocessableEntityError   422 (validation error as other servers send it)
     │       ├── AdmissionRejectedError     429/503 with error.type == "admission_rejected"

@@ -53,8 +53,9 @@ class RetryPolicy:
     Retried: an :class:`APIStatusError` with status 429 or 503 (the clients raise those only
     before any response body is consumed) and an :class:`APIConnectionError` that is not a timeout
     (no answer came: a refused or reset connection, or a keep-alive connection the server closed as
-    the request went out; measured: one agent task in a demo run failed on such a ``ReadError``), at most ``max_retries`` times, and only while
-    ``now + delay`` does not pass ``deadline_at`` (unix s; else the error is raised at once).
+    the request went out; measured: one agent task in a demo run failed on such a ``ReadError``), at
+    most ``max_retries`` times, and only while ``now + delay`` does not pass ``deadline_at`` (unix s;
+    else the error is raised at once).
     The delay is computed once per attempt, so tenacity may call ``wait`` and ``stop`` in
     either order (it did change between versions).
 

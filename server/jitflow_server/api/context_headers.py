@@ -31,12 +31,12 @@ _NUMBERS = {"ttft", "tbt", "deadline", "waiting_time"}
 
 
 def _parse(model, names: dict[str, str], headers: Mapping[str, str]):
-    raw = {field: headers[h] for h, field in names.items() if h in headers}
-    if not raw:
+    given = {h: field for h, field in names.items() if h in headers}  # header -> field, those sent
+    if not given:
         return None
     values: dict = {}
-    for field, text in raw.items():
-        header = next(h for h, f in names.items() if f == field)
+    for header, field in given.items():
+        text = headers[header]
         if field in _NUMBERS:
             try:
                 values[field] = float(text)
@@ -51,8 +51,8 @@ def _parse(model, names: dict[str, str], headers: Mapping[str, str]):
         return model.model_validate(values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = str(err["loc"][0]) if err.get("loc") else next(iter(raw))
-        header = next((h for h, f in names.items() if f == field), next(iter(names)))
+        field = str(err["loc"][0]) if err.get("loc") else None
+        header = next((h for h, f in given.items() if f == field), next(iter(given)))
         raise APIError(400, f"header {header}: {err['msg']}", param=header) from None
 
 

@@ -383,8 +383,9 @@ class TaskManager:
 
         ``ctx`` is the request's ``jitflow`` task context, ``timing`` its ``RequestTiming`` (arrival, unix
         s; SLO with the waiting time). The pattern match runs within the analyzer's time budget
-        (:attr:`budgeted`; past it, the fallback advice and ``CallAdvice.analyzer`` says why). Raises ``APIError(400)`` for a call of an unregistered task
-        without ``slo.deadline`` and ``APIError(409)`` for a call of a completed task.
+        (:attr:`budgeted`; past it, the fallback advice and ``CallAdvice.analyzer`` says why). Raises
+        ``APIError(400)`` for a call of an unregistered task without ``slo.deadline`` and ``APIError(409)``
+        for a call of a completed task.
         """
         now = timing.arrival
         key = tenant_key(tenant, ctx.task_id)

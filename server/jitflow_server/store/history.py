@@ -227,19 +227,21 @@ class HistoryStore:
                 raise
             self._gen += 1
             for app in {r[0] for r in rows}:
-                self._evict_app(app)
+                self._evict_beyond(self.app_capacity, app)
             self.evict()
         return ids
 
-    def _evict_app(self, app: str) -> int:
-        """Delete ``app``'s least-used graphs beyond ``app_capacity``; returns the number deleted."""
+    def _evict_beyond(self, cap: int, app: str | None = None) -> int:
+        """Delete the least-used graphs (lowest effective weight, oldest first) beyond ``cap``, of ``app``
+        only or (``None``) of the whole store; returns the number deleted."""
+        where, args = ("WHERE app=?", (app,)) if app is not None else ("", ())
         with self._lock:
             db = self._conn()
-            extra = db.execute("SELECT COUNT(*) FROM graphs WHERE app=?", (app,)).fetchone()[0] - self.app_capacity
+            extra = db.execute(f"SELECT COUNT(*) FROM graphs {where}", args).fetchone()[0] - cap
             if extra <= 0:
                 return 0
-            db.execute("DELETE FROM graphs WHERE id IN (SELECT id FROM graphs WHERE app=? ORDER BY evict_key, id "
-                       "LIMIT ?)", (app, extra))
+            db.execute(f"DELETE FROM graphs WHERE id IN (SELECT id FROM graphs {where} ORDER BY evict_key, id "
+                       "LIMIT ?)", (*args, extra))
             self._gen += 1
             return extra
 
@@ -280,18 +282,7 @@ class HistoryStore:
     def evict(self, capacity: int | None = None) -> int:
         """Delete the least-used graphs (lowest effective weight, oldest first) beyond ``capacity``
         (default: the store's). Returns the number deleted."""
-        cap = self.capacity if capacity is None else int(capacity)
-        with self._lock:
-            db = self._conn()
-            n = db.execute("SELECT COUNT(*) FROM graphs").fetchone()[0]
-            extra = n - cap
-            if extra <= 0:
-                return 0
-            db.execute(
-                "DELETE FROM graphs WHERE id IN (SELECT id FROM graphs ORDER BY evict_key, id LIMIT ?)", (extra,)
-            )
-            self._gen += 1
-            return extra
+        return self._evict_beyond(self.capacity if capacity is None else int(capacity))
 
     def delete_app(self, app: str) -> int:
         """Delete every graph of ``app``; returns the count."""
