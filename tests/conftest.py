@@ -103,3 +103,13 @@ def policy(server_url):
     yield set_policy
     wait_idle(server_url)
     set_policy("gmax", batch_size=DEFAULT_BATCH)
+
+
+@pytest.fixture()
+def env(tmp_path, monkeypatch):
+    """A private history database and no preloaded patterns or length telemetry, for tests that run the
+    API in-process (the FakeEngine servers of ``test_api_fake_engine.serve``). Returns ``tmp_path``."""
+    monkeypatch.setenv("JITFLOW_HISTORY_DB", str(tmp_path / "history.db"))
+    monkeypatch.delenv("JITFLOW_PATTERNS", raising=False)
+    monkeypatch.delenv("JITFLOW_LENGTH_TELEMETRY", raising=False)
+    return tmp_path

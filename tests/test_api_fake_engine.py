@@ -43,14 +43,6 @@ def serve(engine: FakeEngine, settings: ServerSettings | None = None):
         th.join(timeout=20)
 
 
-@pytest.fixture()
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("JITFLOW_HISTORY_DB", str(tmp_path / "history.db"))
-    monkeypatch.delenv("JITFLOW_PATTERNS", raising=False)
-    monkeypatch.delenv("JITFLOW_LENGTH_TELEMETRY", raising=False)
-    return tmp_path
-
-
 def _chat(url: str, **body) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG, **body}, timeout=30)
 

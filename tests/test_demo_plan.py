@@ -23,6 +23,7 @@ from jitflow_server.demo import (
     load_alpaca,
     summarize_run,
 )
+from jitflow_server.demo.plan import TASK_START_SHARE
 
 
 def _write_azure(path: Path, gaps: list[float]) -> None:
@@ -68,7 +69,7 @@ def test_builtin_plan_is_deterministic_and_shaped_by_the_config():
         elif j.kind == "deadline":
             assert cfg.deadline_tokens[0] <= j.max_tokens <= cfg.deadline_tokens[1] and j.deadline == cfg.deadline
         elif j.kind == "research":
-            assert j.t <= max(cfg.duration - cfg.research_deadline, cfg.duration / 2) and j.prompt
+            assert j.t <= max(cfg.duration - cfg.research_deadline, TASK_START_SHARE * cfg.duration) and j.prompt
         else:
             assert len(j.numbers) == 4 and j.deadline == cfg.tot_deadline
     with pytest.raises(ValueError, match="duration"):

@@ -22,7 +22,13 @@ from jitflow_server.demo.calibrate import (
 from jitflow_server.demo.length_model import SHIPPED_CORPUS, model_path, training_sources
 from jitflow_server.demo.main import DemoOptions, speed_warning
 from jitflow_server.demo.plan import REPO_ROOT
-from jitflow_server.demo.report import build_report, check_targets, compare_phase, write_markdown
+from jitflow_server.demo.report import (
+    build_report,
+    check_targets,
+    compare_phase,
+    token_ceiling,
+    write_markdown,
+)
 from jitflow_server.demo.results import RunResult
 
 PATTERNS = sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
@@ -108,6 +114,16 @@ def test_comparison_ratios_and_targets():
     assert alone["burst_token_goodput_ratio_ge_1_3"] is None and alone["normal_attainment_ge_0_9_every_kind"] is None
 
 
+def test_the_token_ceiling_is_every_unit_met_over_the_baseline():
+    base, main = _run("vllm", "burst", 2, 1, 1), _run("gmax", "burst", 9, 4, 3)
+    # every unit met: 10 chats × 50 output tokens + 5 deadline requests × (20 + 100) + 4 tasks × 1000
+    assert base.summary["all"]["goodput_tokens"] == 2 * 50 + 120 + 1000
+    assert token_ceiling(main, base) == pytest.approx(5100 / 1220)
+    main.records[3].output_tokens = 0  # refused on one side: the other side's tokens count
+    assert token_ceiling(main, base) == pytest.approx(5100 / 1220)
+    assert token_ceiling(_run("gmax", "burst", 9, 4, 3), RunResult("vllm", phase="burst")) is None  # unpaired
+
+
 def _report(tmp_path: Path, served_model: bool) -> dict:
     opts = DemoOptions(out=tmp_path / "r.json")
     cap = Capacity("k", 600.0, 0.05, 150.0, 4.0, 300, 20.0, "2026-11-25T00:00:00Z")
@@ -132,6 +148,7 @@ def test_report_json_markdown_and_plot(tmp_path):
     assert [s["label"] for s in rep["sides"]] == ["vllm", "gmax"] and rep["baseline"] == "vllm"
     assert rep["length_predictor"]["used"] == "qrf" and rep["length_predictor"]["warning"] is None
     assert rep["failed_tasks"] == 0 and rep["targets"]["burst_more_compound_met"] is True
+    assert rep["comparison"]["burst"]["token_goodput_ceiling"] == pytest.approx(5100 / 1220)
     assert [(r["side"], r["phase"]) for r in rep["runs"]][-1] == ("gmax", "burst")
     md = tmp_path / "r.md"
     write_markdown(rep, md)

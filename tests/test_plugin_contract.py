@@ -70,3 +70,17 @@ def test_scheduler_sets_every_instance_attribute_the_plugin_reads():
 
     src = inspect.getsource(Scheduler.__init__)
     assert [a for a in vllm_compat.VLLM_ATTRIBUTES if f"self.{a}" not in src] == []
+
+
+def test_plain_vllm_serve_runs_gmax_and_async_scheduling_is_refused_naming_the_flag():
+    from types import SimpleNamespace
+
+    def config(async_scheduling: bool, extra: dict | None = None):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                               additional_config=extra)
+
+    assert vllm_compat.plugin_settings(config(False), 256) == ("gmax", {}, 256)  # `vllm serve --scheduler-cls` alone
+    given = {"jitflow": {"policy": "edf", "params": {"delta_steps": 5}, "batch_size": 16}}
+    assert vllm_compat.plugin_settings(config(False, given), 256) == ("edf", {"delta_steps": 5}, 16)
+    with pytest.raises(RuntimeError, match="--no-async-scheduling"):
+        vllm_compat.plugin_settings(config(True), 256)

@@ -179,6 +179,9 @@ def test_metrics_count_what_was_served(server_url):
     assert _metric(after, "jitflow_output_tokens_total", kind="deadline") == tok_before + 15
     assert _metric(after, "jitflow_ttft_seconds_count", kind="deadline") >= 3
     assert "jitflow_queue_length" in after
+    # vLLM's own metrics, re-exported: its count of finished requests saw the three as well
+    assert _metric(after, "vllm:request_success_total") >= _metric(before, "vllm:request_success_total") + 3
+    assert "vllm:num_requests_running" in after
 
 
 def test_health_and_engine_stats(server_url):

@@ -46,6 +46,9 @@ from ._types import (
     CompletionChoice,
     Model,
     ModelList,
+    Response,
+    ResponseStreamEvent,
+    ResponseUsage,
     Timing,
     Usage,
 )
@@ -78,6 +81,9 @@ __all__ = [
     "CompletionChoice",
     "Model",
     "ModelList",
+    "Response",
+    "ResponseStreamEvent",
+    "ResponseUsage",
     "Timing",
     "Usage",
     # compound tasks

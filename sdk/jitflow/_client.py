@@ -25,6 +25,7 @@ from ._calls import LLMCall
 from ._context import current_stage_var, current_task_var, loop_key, server_attributes
 from ._exceptions import APIConnectionError, APIError, APITimeoutError, status_error_from_response
 from ._resources import AsyncChat, AsyncCompletions, AsyncModels, Chat, Completions, Models
+from ._responses import AsyncResponses, Responses
 from ._retries import DEFAULT_MAX_RETRIES, RetryPolicy, check_max_retries
 from ._slo import SLO
 from ._streaming import AsyncStream, Stream
@@ -217,6 +218,7 @@ class AsyncClient(_BaseClient):
         self._telemetry_flush_timeout = telemetry_flush_timeout
         self.chat = AsyncChat(self)
         self.completions = AsyncCompletions(self)
+        self.responses = AsyncResponses(self)
         self.models = AsyncModels(self)
 
     @property
@@ -385,6 +387,7 @@ class Client(_BaseClient):
         )
         self.chat = Chat(self)
         self.completions = Completions(self)
+        self.responses = Responses(self)
         self.models = Models(self)
 
     def close(self) -> None:

@@ -2,7 +2,9 @@
 
 The wire: ``data: <chunk JSON>`` events; the last chunk before ``data: [DONE]`` has
 ``choices == []``, ``usage`` and the ``jitflow`` timing; ``data: {"error": {...}}`` mid-stream
-raises :class:`jitflow.StreamError`.
+raises :class:`jitflow.StreamError`. The Responses API's stream has typed events instead (the last one
+carries the response with its ``usage`` and ``jitflow``), no ``[DONE]``, and ``{"type": "error", ...}``
+for an error.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ ChunkT = TypeVar("ChunkT", bound=BaseModel)
 
 
 class _SSEDecoder:
-    """Minimal SSE decoder (WHATWG): returns the ``data`` payload of each complete event."""
+    """Minimal SSE decoder (WHATWG): returns the ``data`` payload of each complete event.
+
+    Kept instead of httpx-sse, which was tried: its ``EventSource`` refuses a response whose
+    ``Content-Type`` is not ``text/event-stream`` and drops a last event that the server ended without its
+    blank line; this decoder reads both (``tests/test_sdk_client.py::test_sse_multiline_comments_and_missing_done``),
+    as the OpenAI client does, so a proxy that rewrites headers or a server that closes early still
+    delivers the final chunk with the usage and timing."""
 
     def __init__(self) -> None:
         self._data: list[str] = []
@@ -84,6 +92,8 @@ class _StreamState(Generic[ChunkT]):
             raise APIError(f"invalid JSON in stream event: {data[:200]!r}") from e
         if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
             raise stream_error_from_event(obj, self.response)
+        if isinstance(obj, dict) and obj.get("type") == "error":  # the Responses API's error event
+            raise stream_error_from_event({"error": obj}, self.response)
         try:
             chunk = self._chunk_cls.model_validate(obj)
         except ValidationError as e:

@@ -179,6 +179,77 @@ class Completion(_WithCallId):
         return self.choices[0].text if self.choices else ""
 
 
+class ResponseUsage(_Base):
+    """Token usage of a Responses API answer (``input_tokens``, ``output_tokens``, ``total_tokens``)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """``input_tokens`` (the chat API's name; the SDK's telemetry reads it)."""
+        return self.input_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        """``output_tokens`` (the chat API's name)."""
+        return self.output_tokens
+
+
+class Response(_WithCallId):
+    """A Responses API answer (``POST /v1/responses``): ``output`` holds message items whose ``content``
+    parts carry the text (:attr:`output_text` joins them); ``status`` is ``completed`` or ``incomplete``
+    (``max_output_tokens`` reached); ``jitflow`` the server's :class:`Timing`."""
+
+    id: str
+    object: str = "response"
+    created_at: float = 0.0
+    status: str = "completed"
+    model: str
+    output: list[dict[str, Any]] = []
+    incomplete_details: Optional[dict[str, Any]] = None
+    usage: Optional[ResponseUsage] = None
+    jitflow: Optional[Timing] = None
+
+    @property
+    def output_text(self) -> str:
+        """The text of every ``output_text`` part of every message item, joined (as openai-python's)."""
+        return "".join(part.get("text", "") for item in self.output if item.get("type") == "message"
+                       for part in item.get("content") or [] if part.get("type") == "output_text")
+
+
+class ResponseStreamEvent(_Base):
+    """One event of a streamed Responses API answer: ``type`` names it (``response.created``,
+    ``response.output_text.delta`` with the text in ``delta``, …, ``response.completed`` or
+    ``response.incomplete`` with the whole :class:`Response` in ``response``)."""
+
+    type: str
+    sequence_number: int = 0
+    delta: Optional[str] = None
+    response: Optional[Response] = None
+
+    @property
+    def usage(self) -> ResponseUsage | None:
+        """The usage of the response this event carries (the last event's), else None."""
+        return self.response.usage if self.response is not None else None
+
+    @property
+    def jitflow(self) -> Timing | None:
+        """The server's timing of the response this event carries (the last event's), else None."""
+        return self.response.jitflow if self.response is not None else None
+
+    @property
+    def model(self) -> str | None:
+        """The model of the response this event carries, else None."""
+        return self.response.model if self.response is not None else None
+
+    @property
+    def id(self) -> str | None:
+        """The id of the response this event carries, else None."""
+        return self.response.id if self.response is not None else None
+
+
 class Model(_Base):
     """A served model (``GET /v1/models``)."""
 

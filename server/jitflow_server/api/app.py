@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -23,12 +22,15 @@ from jitflow_server.api.admin import register_admin_routes
 from jitflow_server.api.auth import Auth
 from jitflow_server.api.limits import BodySizeLimit
 from jitflow_server.api.request_id import RequestId
+from jitflow_server.api.responses import ResponsesRequest, new_response_id, responses_param, to_chat
+from jitflow_server.api.responses import respond as respond_response
 from jitflow_server.api.schemas import APIError, ChatCompletionRequest, CompletionRequest
-from jitflow_server.api.serving import serve_request
+from jitflow_server.api.serving import serve_request, start_call
 from jitflow_server.api.state import ServerSettings, ServerState
 from jitflow_server.api.tasks import attach_tasks, register_task_routes
 from jitflow_server.api.tracing import setup_tracing_from_env
 from jitflow_server.engine.protocol import Engine
+from jitflow_server.settings import env_settings
 
 logger = logging.getLogger("jitflow.api")
 
@@ -78,7 +80,7 @@ def _length_service(state: ServerState):
         counter = TokenCounter(tok) if tok is not None else None
     except TypeError:  # a slow tokenizer without a Rust backend: the process-wide counter
         counter = None
-    tele = os.environ.get("JITFLOW_LENGTH_TELEMETRY") or None
+    tele = env_settings().length_telemetry
     return LengthService.from_default_model(counter=counter, telemetry_path=tele)
 
 
@@ -160,6 +162,21 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
         text = "\n".join(m["content"] for m in msgs)
         prompt_ids = await _tokenize(engine.encode_chat, msgs, len(text))
         return await serve_request(state, body, prompt_ids, request, chat=True, prompt_text=text)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        _check_model(state, body.model)
+        try:
+            chat_body = to_chat(body)
+            msgs = chat_body.messages
+            text = "\n".join(m["content"] for m in msgs)
+            prompt_ids = await _tokenize(engine.encode_chat, msgs, len(text))
+            started = await start_call(state, chat_body, prompt_ids, request, chat=True, prompt_text=text,
+                                       rid=new_response_id())
+        except APIError as err:
+            err.param = responses_param(err.param)
+            raise
+        return await respond_response(state, body, started, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -36,7 +36,7 @@ class APIError(Exception):
 MAX_STOP_SEQUENCES, MAX_STOP_CHARS = 16, 1000
 
 
-def _utf8(text: str) -> str:
+def check_utf8(text: str) -> str:
     """``text`` if it is valid UTF-8 (no lone surrogates), else ``ValueError``."""
     try:
         text.encode("utf-8")
@@ -45,10 +45,14 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _positive_finite(v: float | None, name: str) -> float | None:
+def check_seconds(v: Any, name: str) -> float | None:
+    """``v`` as seconds (``None`` stays ``None``); ``ValueError`` unless it is a positive, finite number
+    (``True`` and numeric strings are refused, not coerced)."""
     if v is None:
         return v
-    if isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds")
+    if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be a positive finite number of seconds, got {v!r}")
     return float(v)
 
@@ -67,11 +71,7 @@ class SLO(BaseModel):
     @field_validator("ttft", "tbt", "deadline", "waiting_time", mode="before")
     @classmethod
     def _check(cls, v: Any, info) -> Any:
-        if v is None:
-            return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{info.field_name} must be a number of seconds")
-        return _positive_finite(float(v), info.field_name)
+        return check_seconds(v, info.field_name)
 
     def check_required(self, in_task: bool = False) -> None:
         """Raise ``APIError(400)`` naming the missing field the kind needs."""
@@ -109,10 +109,10 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_is_utf8(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return _utf8(v)
+            return check_utf8(v)
         for part in v or []:
             if isinstance(part.get("text"), str):
-                _utf8(part["text"])
+                check_utf8(part["text"])
         return v
 
     def text(self) -> str:
@@ -181,7 +181,7 @@ class _Common(BaseModel):
     @classmethod
     def _stop_is_utf8(cls, v: Any) -> Any:
         for x in [v] if isinstance(v, str) else v or []:
-            _utf8(x)
+            check_utf8(x)
             if not x:
                 raise ValueError("stop sequences must not be empty")
         return v
@@ -203,4 +203,4 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _prompt_is_utf8(cls, v: Any) -> Any:
-        return _utf8(v) if isinstance(v, str) else v
+        return check_utf8(v) if isinstance(v, str) else v

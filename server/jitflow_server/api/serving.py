@@ -35,6 +35,12 @@ from jitflow_server.scheduler.types import SLOSpec
 from jitflow_server.tracker.metrics import RequestTiming
 
 
+# Streams are written here (``data: <json>`` events through Starlette's ``StreamingResponse``), not with
+# sse-starlette's ``EventSourceResponse``: that one ends every open stream as soon as uvicorn starts
+# shutting down (its shutdown watcher, ``shutdown_grace_period`` 0 by default), which would cut the SIGTERM
+# drain that lets in-flight streams finish (``jitflow serve --drain-timeout``), and its keep-alive pings
+# add nothing for streams whose first byte waits for the first token. Starlette's response already
+# notices a client that disconnects.
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
@@ -92,17 +98,47 @@ def _waiting_time(state: ServerState, slo: SLO) -> float | None:
 def _admission(state: ServerState, kind: str, deadline: float | None, waiting_time: float | None,
                prompt_tokens: int, len_bound: int) -> AdmissionDeadline:
     """The request's admission deadline: its waiting time, tightened for E2EL-deadline requests to their
-    latest feasible start when deadline admission is on and the engine reports its speed."""
+    latest feasible start (priced alone; the engine's room is the overcommitment test, see
+    ``scheduler/admission.py``) when deadline admission is on and the engine reports its speed."""
     rate = state.service if state.settings.deadline_admission else None
     held = state.commitments(rate) if rate is not None and kind == "deadline" else None
     return admission_deadline(kind, deadline, waiting_time, prompt_tokens=prompt_tokens, len_bound=len_bound,
                               rate=rate, safety=state.settings.admission_safety, held=held, now=time.time(),
-                              batch=state.in_flight + 1)
+                              batch=1)
+
+
+@dataclasses.dataclass
+class Started:
+    """A call the engine has started: its :class:`LiveCall`, first queue event and the :class:`_Finisher`
+    that records its outcome once. Whoever answers the client owns it from here: it must decrement
+    ``state.in_flight``, call ``finish`` and close the call (as :func:`respond_json` does)."""
+
+    call: LiveCall
+    first: Any
+    finish: _Finisher
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI usage of the call so far (tokens)."""
+        return _usage(self.call)
 
 
 async def serve_request(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool,
                         prompt_text: str = ""):
     """Serve one chat or text completion (see the module docstring). Raises ``APIError``."""
+    started = await start_call(state, body, prompt_ids, request, chat=chat, prompt_text=prompt_text)
+    if not body.stream:
+        return await respond_json(state, started, chat, request)
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(_respond_stream(state, started.call, started.first, started.finish, chat, usage),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": started.call.rid})
+
+
+async def start_call(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool,
+                     prompt_text: str = "", rid: str | None = None) -> Started:
+    """Admit and start one call and wait for its first event (admission control answers 429 here, before
+    any byte of the answer). ``body`` is a chat or completion request; ``rid`` the request id (default
+    ``chatcmpl-…`` / ``cmpl-…``). Raises ``APIError``."""
     arrival = time.time()
     tenant = request_tenant(request)
     bad = reserved_keys(body.vllm_xargs)
@@ -114,7 +150,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
     task_ctx = body.jitflow or h_task
     slo.check_required(in_task=task_ctx is not None)
     max_tokens = _check_lengths(state, body, len(prompt_ids), chat)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    rid = rid or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     waiting_time = _waiting_time(state, slo)
     timing = RequestTiming(rid, SLOSpec(slo.kind, slo.ttft, slo.tbt, slo.deadline, waiting_time), arrival,
                            len(prompt_ids))
@@ -152,7 +188,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
             if state.length is not None:
                 state.length.discard(rid)
             state.deadline_rejections += 1
-            state.metrics.observe(timing, "rejected", timing.summary(finished_ok=False))
+            state.metrics.observe(timing, "rejected", timing.summary(finished_ok=False), app_name)
             raise deadline_infeasible(slo.deadline, admit.service_time, admit.reason)
         waiting_time = admit.waiting_time
         hints["waiting_time"] = waiting_time
@@ -190,7 +226,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
         state.waiting_first_token -= 1
         state.in_flight -= 1
         outcome = "rejected" if isinstance(exc, APIError) and exc.status == 429 else "aborted"
-        state.metrics.observe(timing, outcome, timing.summary(finished_ok=False))
+        state.metrics.observe(timing, outcome, timing.summary(finished_ok=False), app_name)
         state.forget(rid)
         if state.length is not None:
             state.length.discard(rid)
@@ -202,12 +238,7 @@ async def serve_request(state: ServerState, body, prompt_ids: list[int], request
         raise
     state.waiting_first_token -= 1
     state.event(time.time(), "first_token", rid)
-    finish = _Finisher(state, call, span, task_ctx, tenant)
-    if not body.stream:
-        return await _respond_json(state, call, first, finish, chat, request)
-    usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_respond_stream(state, call, first, finish, chat, usage), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+    return Started(call, first, _Finisher(state, call, span, task_ctx, tenant))
 
 
 class _Finisher:
@@ -238,7 +269,7 @@ class _Finisher:
             outcome = "best_effort"
         else:
             outcome = "slo_met" if summary["slo_met"] else "slo_missed"
-        state.metrics.observe(timing, outcome, summary)
+        state.metrics.observe(timing, outcome, summary, call.app)
         if state.tasks is not None and self.task_ctx is not None:
             state.tasks.on_call_end(self.task_ctx, call.rid, timing, ok=ok, tenant=self.tenant)
         end_request_span(self.span, timing, summary, call.finish_reason)
@@ -266,10 +297,10 @@ async def _next_event(call: LiveCall, request: Request):
             waiting.cancel()
 
 
-async def _respond_json(state: ServerState, call: LiveCall, first, finish: _Finisher, chat: bool,
-                        request: Request) -> dict:
-    """Collect the whole answer. A client that disconnects meanwhile is noticed within
-    :data:`DISCONNECT_POLL_S` and its engine request is aborted (nothing is left running)."""
+async def respond_json(state: ServerState, started: Started, chat: bool, request: Request) -> dict:
+    """Collect the whole answer as a chat or text completion. A client that disconnects meanwhile is
+    noticed within :data:`DISCONNECT_POLL_S` and its engine request is aborted (nothing is left running)."""
+    call, first, finish = started.call, started.first, started.finish
     text_parts: list[str] = []
     ok = False
     last_check = time.monotonic()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from jitflow_server.api.task_bodies import (  # noqa: F401  (re-exported: the en
     TaskEvents,
 )
 from jitflow_server.scheduler.types import Kind, SLOSpec
+from jitflow_server.settings import env_settings
 
 logger = logging.getLogger("jitflow.tasks")
 
@@ -459,10 +459,9 @@ async def attach_tasks(app: FastAPI, state) -> None:
     """Create the ``TaskManager`` (history DB from ``$JITFLOW_HISTORY_DB``, initial patterns from
     ``$JITFLOW_PATTERNS``, call telemetry to ``$JITFLOW_TELEMETRY``, sub-deadline time model from
     ``$JITFLOW_TIME_MODEL``) and attach it to ``state``."""
-    patterns = [Path(p) for p in os.environ.get("JITFLOW_PATTERNS", "").split(os.pathsep) if p]
-    tele = os.environ.get("JITFLOW_TELEMETRY")
+    env = env_settings()
     tm = time_model_from_env()
-    state.tasks = await asyncio.to_thread(TaskManager, None, patterns, Path(tele) if tele else None, 10_000, tm,
+    state.tasks = await asyncio.to_thread(TaskManager, None, env.pattern_files(), env.telemetry, 10_000, tm,
                                           tenants(state.settings.api_keys), state.settings.analyzer_budget)
 
 

@@ -23,6 +23,8 @@ import time
 
 from opentelemetry import trace
 
+from jitflow_server.settings import env_settings
+
 logger = logging.getLogger("jitflow.tracing")
 _configured = False
 
@@ -30,7 +32,7 @@ _configured = False
 def setup_tracing_from_env() -> None:
     """Install a ``TracerProvider`` with the exporter named by ``$JITFLOW_OTEL_EXPORTER`` (once)."""
     global _configured
-    spec = os.environ.get("JITFLOW_OTEL_EXPORTER", "").strip()
+    spec = env_settings().otel_exporter.strip()
     if _configured or not spec:
         return
     from opentelemetry.sdk.resources import Resource

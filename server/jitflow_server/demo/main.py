@@ -234,7 +234,7 @@ def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: 
 
 
 #: Requests of the speed probe and their output tokens.
-PROBE_REQUESTS, PROBE_TOKENS = 3, 32
+PROBE_REQUESTS, PROBE_TOKENS = 3, 16
 
 
 def speed_probe(url: str, model: str) -> float | None:

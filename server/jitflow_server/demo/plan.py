@@ -159,6 +159,12 @@ TOT_PUZZLES = [
 
 
 # ---------------------------------------------------------------------- plan
+#: Agent tasks start within this share of a phase (when their deadline is longer than the phase). A
+#: phase lasts until its last task ends (45-65 s after it starts on a 2-core CPU), so this share bounds
+#: the demo's run time: 0.5 made it 6.5 min, 0.4 keeps it under 6.
+TASK_START_SHARE = 0.4
+
+
 @dataclass
 class LoadItem:
     """One scheduled unit of the demo's load, run by the SDK (a chat or deadline request, or an agent task;
@@ -265,7 +271,7 @@ def build_plan(cfg: DemoConfig, data_dir: Path | None = None) -> Plan:
     Chat and deadline requests share one arrival process (Azure trace window or Poisson) at
     ``chat_rate + deadline_rate``; each arrival is a chat with probability
     ``chat_rate / (chat_rate + deadline_rate)``. Tasks are spread over the first part of the run
-    so that they can finish: starts in ``[0, max(duration - deadline, duration / 2)]``.
+    so that they can finish: starts in ``[0, max(duration - deadline, TASK_START_SHARE · duration)]``.
 
     Raises:
         ValueError: invalid ``cfg``.
@@ -305,7 +311,7 @@ def build_plan(cfg: DemoConfig, data_dir: Path | None = None) -> Plan:
                         deadline=None if is_chat else cfg.deadline))
     for kind, count, dl in (("research", cfg.research_tasks, cfg.research_deadline),
                             ("tot", cfg.tot_tasks, cfg.tot_deadline)):
-        span = max(cfg.duration - dl, cfg.duration / 2)
+        span = max(cfg.duration - dl, TASK_START_SHARE * cfg.duration)
         for k, t in enumerate(_spread(count, span, rng)):
             if kind == "research":
                 jobs.append(LoadItem(t, kind, RESEARCH_QUESTIONS[k % len(RESEARCH_QUESTIONS)], deadline=dl))

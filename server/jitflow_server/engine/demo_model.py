@@ -21,6 +21,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jitflow_server.settings import env_settings
+
 #: Bumped whenever the recipe changes, so cached builds are rebuilt.
 RECIPE_VERSION = 2
 
@@ -96,7 +98,7 @@ def _corpus(n_sentences: int = 20000, seed: int = 1234) -> list[str]:
 
 def default_cache_dir() -> Path:
     """Root of jitflow's user cache (``$JITFLOW_CACHE`` or ``~/.cache/jitflow``)."""
-    return Path(os.environ.get("JITFLOW_CACHE", Path.home() / ".cache" / "jitflow"))
+    return env_settings().cache_dir()
 
 
 def default_model_dir(variant: str = "demo") -> Path:
@@ -267,7 +269,6 @@ def measure_step_times(variant: str = "demo", batches: tuple[int, ...] = (1, 8, 
         ``{"variant", "parameters", "decode_step_ms": {B: ms}, "prefill_ms": {tokens: ms}, "startup_s"}``.
         Must run under an ``if __name__ == "__main__"`` guard or a CLI (vLLM may spawn processes).
     """
-    import os
     import statistics
     import time as _time
 

@@ -44,7 +44,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
 from jitflow_server.engine.protocol import EngineCall
-from jitflow_server.engine.vllm_compat import TESTED_VLLM, missing_vllm_internals
+from jitflow_server.engine.vllm_compat import TESTED_VLLM, missing_vllm_internals, plugin_settings
 from jitflow_server.scheduler import RequestView, SchedContext, make_policy
 from jitflow_server.scheduler.hints import SIMULATOR_ONLY, HintsError, HintUpdate, SchedHints
 from jitflow_server.scheduler.lifecycle import IllegalTransition, Lifecycle, RequestState
@@ -87,9 +87,8 @@ class _Meta:
 class JitflowScheduler(Scheduler):
     """vLLM ``Scheduler`` subclass driven by the jitflow policy core (GMAX or a baseline).
 
-    Async scheduling: vLLM forces it off on CPU (``platforms/cpu.py``); on GPU run the
-    server with ``--no-async-scheduling`` (see ``docs/scheduling.md``).
-    """
+    Settings, the default policy (GMAX) and the refusal of async scheduling (GPU: run vLLM with
+    ``--no-async-scheduling``): :func:`~jitflow_server.engine.vllm_compat.plugin_settings`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -99,8 +98,7 @@ class JitflowScheduler(Scheduler):
                                f"{missing} (tested with vLLM {', '.join(TESTED_VLLM)})")
         if vllm.__version__ not in TESTED_VLLM:
             logger.warning("jitflow plug-in tested with vLLM %s, running on %s", TESTED_VLLM, vllm.__version__)
-        cfg = dict((self.vllm_config.additional_config or {}).get("jitflow", {}))
-        self.batch_size = int(cfg.get("batch_size") or self.max_num_running_reqs)
+        policy, params, self.batch_size = plugin_settings(self.vllm_config, self.max_num_running_reqs)
         self._base_active_cap = self.max_num_active_reqs
         self.tracker = StepTimeTracker()
         self.meta: dict[str, _Meta] = {}
@@ -131,7 +129,7 @@ class JitflowScheduler(Scheduler):
         #: Recent request lifecycle events ``(unix s, event, request id, detail)``, newest last
         #: (``EngineCall.EVENTS``; diagnostics, bounded).
         self.events: deque[tuple[float, str, str, str]] = deque(maxlen=256)
-        self._set_policy(str(cfg.get("policy", "fcfs")), dict(cfg.get("params") or {}))
+        self._set_policy(policy, params)
 
     # ---------------------------------------------------------------- policy
     def _set_policy(self, name: str, params: dict) -> None:
@@ -279,6 +277,7 @@ class JitflowScheduler(Scheduler):
             max_running=self.max_num_running_reqs,
             prefix_caching=bool(self.cache_config.enable_prefix_caching),
             kv_block_size=int(self.block_size) or None,
+            token_time_model=self.tracker.token_time_model(),
         )
         t0 = time.perf_counter()
         decision = self.policy.schedule(views, ctx)

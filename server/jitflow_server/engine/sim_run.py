@@ -245,7 +245,7 @@ class SimRun:
                            prefill_rate=eng.tracker.prefill_rate(), swap_rate=m.swap_rate,
                            kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B,
                            prefix_caching=m.prefix_caching and not m.swap_rate,
-                           kv_block_size=m.block_size)
+                           kv_block_size=m.block_size, token_time_model=eng.tracker.token_time_model())
         f0 = time.perf_counter()
         d = self.pol.schedule(views, ctx)
         self.frame_ms.append((time.perf_counter() - f0) * 1e3)

@@ -7,6 +7,8 @@ plug-in refuses to start without it, and a unit test checks the installed vLLM.
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.v1.core.sched.scheduler import Scheduler
 
 #: vLLM versions the plug-in was tested with; others are checked against :data:`VLLM_INTERNALS`.
@@ -24,3 +26,26 @@ def missing_vllm_internals(sched: object | type = Scheduler) -> list[str]:
     (a ``Scheduler`` class or instance) lacks."""
     names = VLLM_METHODS + (() if isinstance(sched, type) else VLLM_ATTRIBUTES)
     return [n for n in names if not hasattr(sched, n)]
+
+
+#: The policy of a plug-in started without ``additional_config["jitflow"]["policy"]`` (e.g. plain
+#: ``vllm serve MODEL --scheduler-cls jitflow_server.engine.plugin.JitflowScheduler``).
+DEFAULT_POLICY = "gmax"
+
+
+def plugin_settings(vllm_config: Any, max_num_seqs: int) -> tuple[str, dict, int]:
+    """``(policy, params, B)`` of the plug-in from vLLM's config: ``additional_config["jitflow"]``'s
+    ``policy`` (default :data:`DEFAULT_POLICY`), ``params`` and ``batch_size`` (default ``max_num_seqs``).
+
+    Raises:
+        RuntimeError: vLLM runs with async scheduling, which plans a step before the previous step's
+            output is known; the message names ``--no-async-scheduling``.
+    """
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        raise RuntimeError(
+            "the jitflow plug-in schedules each step from the last one's output, which vLLM's async "
+            "scheduling runs ahead of: start vLLM with --no-async-scheduling (vLLM turns it off itself "
+            "on CPU)")
+    cfg = dict((vllm_config.additional_config or {}).get("jitflow", {}))
+    return str(cfg.get("policy", DEFAULT_POLICY)), dict(cfg.get("params") or {}), int(
+        cfg.get("batch_size") or max_num_seqs)

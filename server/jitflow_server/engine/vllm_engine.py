@@ -27,6 +27,7 @@ from jitflow_server.engine.protocol import (
     TokenDelta,
 )
 from jitflow_server.scheduler.hints import HintUpdate
+from jitflow_server.settings import env_settings
 
 logger = logging.getLogger("jitflow.engine")
 
@@ -62,7 +63,7 @@ def engine_dtype(requested: str = "auto") -> str:
     outside :data:`DTYPES`.
     """
     if requested == "auto":
-        requested = os.environ.get("JITFLOW_DTYPE", "auto") or "auto"
+        requested = env_settings().dtype
     if requested not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {requested!r}")
     if requested != "auto":
@@ -107,6 +108,8 @@ class EngineConfig:
             of jitflow reaches the engine: admission control never removes a request, hint updates
             and policy switches are refused or ignored (see :meth:`VLLMEngine._call`). The baseline
             ``jitflow demo`` and ``jitflow bench engine`` compare against.
+        vllm_metrics: let vLLM record its own ``vllm:*`` Prometheus metrics (its stat loggers; the server
+            re-exports them on ``/metrics``). Off, vLLM keeps no statistics at all.
     """
 
     model: Path
@@ -121,6 +124,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     scheduler: str = "jitflow"
+    vllm_metrics: bool = True
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -159,7 +163,7 @@ class VLLMEngine:
         kwargs: dict[str, Any] = dict(
             model=str(c.model), served_model_name=[c.served_name], dtype=dtype,
             max_model_len=c.max_model_len, max_num_seqs=2 * c.batch_size,
-            max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=True, disable_log_stats=True,
+            max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=True, disable_log_stats=not c.vllm_metrics,
             scheduler_cls=PLUGIN_CLS, seed=c.seed,
             additional_config={"jitflow": {"policy": c.policy, "params": c.policy_params,
                                            "batch_size": c.batch_size}},

@@ -32,7 +32,7 @@ from jitflow_server.scheduler.replicas import best_replica, dummy_copies
 from jitflow_server.scheduler.slos_serve import SLOsServePolicy
 from jitflow_server.scheduler.snapshot import SchedulingInputError
 from jitflow_server.scheduler.tempo import TempoPolicy
-from jitflow_server.scheduler.types import Decision, Kind, Policy, RequestView, SchedContext
+from jitflow_server.scheduler.types import Decision, Kind, Policy, RequestView, SchedContext, TokenTimeModel
 from jitflow_server.scheduler.vllm_priority import VLLMPriorityPolicy
 
 POLICY_NAMES = ("gmax", "gmax-paper", "fcfs", "sarathi", "edf", "sjf", "las", "oracle", "vllm-priority", "tempo",
@@ -58,7 +58,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: docs/scheduling.md), ``gmax-paper``
     (the paper's ``goodput/t_gen`` ranking, window, stall pricing and token-only objective, JITServe §4.2:
     ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0,
-    compound_value="task"``),
+    compound_value="task", batch_sizing="full"``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``, and the
     peer baselines ``vllm-priority`` (vLLM's priority scheduling with SLO-derived priorities),
     ``tempo`` (Tempo's service-density scheduling), ``qlm`` (QLM's request groups and virtual queue) and
@@ -82,6 +82,7 @@ def make_policy(name: str, **params: Any) -> Policy:
             params.setdefault("overrun", 0.0)
             params.setdefault("request_weight", 0.0)  # the paper's token-only objective
             params.setdefault("compound_value", "task")  # a stage unlocks its whole task (§4.2)
+            params.setdefault("batch_sizing", "full")  # Alg. 1 fills B
         if key == "oracle":
             params.setdefault("use_true_len", True)
         return GMAXPolicy(name=key, **params)
@@ -124,6 +125,7 @@ __all__ = [
     "SLOsServePolicy",
     "SarathiPolicy",
     "SchedContext",
+    "TokenTimeModel",
     "SchedulingInputError",
     "TempoPolicy",
     "VLLMPriorityPolicy",

@@ -9,11 +9,17 @@ admission deadline of an E2EL-deadline request to its *latest feasible start*:
     latest_start = deadline − safety · service_time
     service_time = prefill_time(prompt) + len_bound · token_time(n)
 
-where ``token_time(n)`` is the measured wall time of one engine step with ``n = min(B, requests in flight
-+ 1)`` decoding (the batch the request joins; a full batch B under overload) and ``len_bound`` the
-request's output-length bound (a q-quantile, JITServe §4.1). The first version used B always: on the
-demo mix at 0.7× capacity that priced a 192-token request at 20.8 s (0.108 s per token at B = 32) and
-refused deadline requests that stock vLLM served in 6 s. The engine keeps the
+where ``token_time(n)`` is the measured wall time of one engine step with ``n`` requests decoding and
+``len_bound`` the request's output-length bound (a q-quantile, JITServe §4.1). The API prices the
+request alone (``n = 1``): the latest start is the last moment at which the deadline can still be met
+at all (JITServe App. C's filter), and whether the engine has room for it is the overcommitment test
+below, at full-batch throughput. Two earlier estimates were measured on the demo's mixed load against
+stock vLLM: ``n = B`` priced a 192-token request at 20.8 s at 0.7× capacity and refused requests stock
+vLLM served in 6 s; ``n = requests in flight + 1`` (the batch the request joins) refused the late
+requests of a burst whose batch then thinned (stock vLLM served them in 24 s, 5 of 6) and left the
+admitted ones no slack to be started in (27.2 s of work against a 28.6 s deadline: refused 1.4 s
+later), while a policy that sizes its batch (GMAX's ``batch_sizing``) can serve an admitted request
+faster than a full batch would. The engine keeps the
 request only while it can still start by ``arrival + latest_start``; if it has not started by then, it is
 removed and the client gets 429 with ``Retry-After``, as for the waiting time. A request whose
 ``latest_start`` has already passed when it arrives is refused at once. Every policy gets the same rule
@@ -29,7 +35,7 @@ slot-seconds due by ``finish_by``, and with B slots the promises ordered by due 
 
     for every k with due_k ≥ due_new:  Σ_{j: due_j ≤ due_k} work_j ≤ B · (due_k − now),
 
-and the new request alone must fit its own deadline (the latest-start rule above, at the batch it joins).
+and the new request alone must fit its own deadline (the latest-start rule above).
 A promise due after the new request's deadline that
 was already late before it arrived does not refuse it (the new request cannot save it); everything due
 before the new request's deadline counts, late or not. This is the fluid relaxation of EDF feasibility on B parallel slots: it

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -40,6 +41,9 @@ from jitflow_server.scheduler.snapshot import (
     validate_context,
 )
 from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
+
+#: Batch sizes GMAX's ``batch_sizing="goodput"`` tries besides B (when N > B), as fractions of B.
+BATCH_FRACTIONS = (0.875, 0.75, 0.625, 0.5, 0.375, 0.25)
 
 
 def default_fair(snap: Snapshot, ctx: SchedContext) -> np.ndarray:
@@ -236,7 +240,8 @@ class GMAXPolicy:
             served = snap.arrival + np.nan_to_num(acc[snap.rows])
         else:
             served = self._cache.served[snap.rows] if clock == "served" else None
-        prio, est = self.score(snap, ctx, served)
+        ctx, prio, est = self._sized(snap, ctx, served)
+        b = ctx.batch_size
         self.last_estimates = est
         p = self.p
         win, info = select_window(prio, snap.input_len, b, p, protect=self.params.window == "protected")
@@ -256,6 +261,7 @@ class GMAXPolicy:
             demoted=int(n - est.feasible.sum()),
             swapped_back=swapped,
             frame_s=self.params.delta_steps * ctx.token_time,
+            batch_size=b,
         )
         if self.params.full_priorities:
             pr = dict(zip(ids, prio.tolist(), strict=True))
@@ -263,6 +269,39 @@ class GMAXPolicy:
             shown = np.flatnonzero((prio >= p * info["bp"]) | snap.running | in_batch)
             pr = dict(zip([ids[i] for i in shown], prio[shown].tolist(), strict=True))
         return Decision(batch, [ids[i] for i in preempt_idx], pr, self.frame_id, info)
+
+    def _sized(self, snap: Snapshot, ctx: SchedContext,
+               served: np.ndarray | None) -> tuple[SchedContext, np.ndarray, Estimates]:
+        """The batch size of this frame with its context, priorities and estimates (``batch_sizing``).
+
+        ``"full"`` (JITServe as published): B. ``"goodput"`` (ours): each candidate size k (B and
+        fractions of it, see :data:`BATCH_FRACTIONS`) is scored at its own token time
+        ``ctx.token_time_model.token_time(k)``, and k is the size whose top-k requests (by priority
+        at that speed) earn the most goodput per second, ``Σ goodput_i / t_gen_i``; a smaller k must
+        beat the larger one by ``batch_margin``. A request whose SLO a bigger batch would break earns
+        nothing at that size, so the batch shrinks only when the requests it keeps on time are worth
+        more than the throughput it gives up (e.g. chat TBT SLOs under the full-batch step time of a
+        CPU). Without a token-time model it is B, and with N ≤ B requests every one of them runs: the
+        batch shrinks only when more requests want to run than B slots hold. (Sizing below N at moderate
+        load left out the requests the estimates judged infeasible, started deadline requests included,
+        and they waited until their clients gave up although stock vLLM served them on time: 4 of 9
+        deadline requests missed at 0.7× capacity on the real engine.)
+        """
+        model, b = ctx.token_time_model, ctx.batch_size
+        if self.params.batch_sizing == "full" or model is None or model.per_request_s <= 0 or snap.n <= b:
+            prio, est = self.score(snap, ctx, served)
+            return ctx, prio, est
+        sizes = sorted({b, *(k for f in BATCH_FRACTIONS if 1 <= (k := round(b * f)) < b)}, reverse=True)
+        best: tuple[float, SchedContext, np.ndarray, Estimates] | None = None
+        for k in sizes:
+            ck = replace(ctx, batch_size=k, token_time=model.token_time(k))
+            prio, est = self.score(snap, ck, served)
+            idx = np.argpartition(-prio, k - 1)[:k] if k < snap.n else np.arange(snap.n)
+            rate = float((est.goodput[idx] / np.maximum(est.t_gen[idx], 1e-9)).sum())
+            if best is None or rate > best[0] * (1.0 + self.params.batch_margin):
+                best = (rate, ck, prio, est)
+        assert best is not None
+        return best[1], best[2], best[3]
 
     def _preemption(
         self, snap: Snapshot, ctx: SchedContext, prio: np.ndarray, est: Estimates, in_batch: np.ndarray

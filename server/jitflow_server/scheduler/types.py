@@ -94,6 +94,23 @@ class RequestView:
     admit_by: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TokenTimeModel:
+    """Seconds per token of one request as a function of the number of requests decoding together:
+    ``token_time(k) = max(base_s + per_request_s·k, floor_s)`` (wall time, from the SLO tracker's fit of
+    measured steps, ``tracker/steps.py``). On a CPU the step time grows almost linearly with the batch
+    (demo model, 2-core AVX-512: about 0.04 s alone and 0.18 s at k = 32), so the batch size trades
+    throughput against every request's time between tokens."""
+
+    base_s: float
+    per_request_s: float
+    floor_s: float = 0.0
+
+    def token_time(self, k: int) -> float:
+        """Seconds per token with ``k`` (≥ 1) requests decoding together."""
+        return max(self.base_s + self.per_request_s * max(int(k), 1), self.floor_s, 1e-6)
+
+
 @dataclass(slots=True)
 class SchedContext:
     """Engine state a policy needs for one frame.
@@ -109,6 +126,8 @@ class SchedContext:
     unless other allocations evicted it, so its recompute stall is only a risk. ``kv_block_size`` is
     the KV block in tokens (``None``: unknown): a prefix-cache hit covers only whole blocks within
     the first ``n − 1`` tokens, so the tail of a displaced request is recomputed in any case.
+    ``token_time_model`` (``None``: unknown) gives the token time at any batch size, for policies
+    that choose how many requests to run (GMAX's ``batch_sizing``).
     """
 
     now: float
@@ -121,6 +140,7 @@ class SchedContext:
     max_running: int | None = None
     prefix_caching: bool = False
     kv_block_size: int | None = None
+    token_time_model: TokenTimeModel | None = None
 
 
 @dataclass(slots=True)

@@ -21,7 +21,6 @@ Default path: ``$JITFLOW_HISTORY_DB`` or ``~/.cache/jitflow/history.sqlite``.
 from __future__ import annotations
 
 import math
-import os
 import sqlite3
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from jitflow_server.settings import env_settings
 from jitflow_server.store.graph import PatternGraph
 
 __all__ = ["HistoryStore", "StoredGraph", "default_db_path", "HistoryStoreError"]
@@ -66,9 +66,9 @@ class HistoryStoreError(RuntimeError):
 
 def default_db_path() -> Path:
     """``$JITFLOW_HISTORY_DB`` if set, else ``~/.cache/jitflow/history.sqlite``."""
-    env = os.environ.get("JITFLOW_HISTORY_DB")
-    if env:
-        return Path(env).expanduser()
+    env = env_settings().history_db
+    if env is not None:
+        return env.expanduser()
     return Path.home() / ".cache" / "jitflow" / "history.sqlite"
 
 

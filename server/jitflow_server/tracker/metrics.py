@@ -54,23 +54,36 @@ class RequestTiming:
         }
 
 
+#: Distinct ``app`` label values kept; later applications are counted under :data:`OTHER_APP`. Application
+#: names come from clients, so an unbounded label would let one client grow every scrape without limit.
+MAX_APP_LABELS = 64
+#: The ``app`` label of requests outside a compound task.
+NO_APP = "-"
+#: The ``app`` label of applications beyond :data:`MAX_APP_LABELS`.
+OTHER_APP = "other"
+
+
 class ServerMetrics:
-    """Prometheus collectors: requests by kind/outcome, TTFT/TBT/E2EL histograms, queue length."""
+    """Prometheus collectors: requests by kind/outcome/app, goodput and output tokens by kind/app,
+    sub-deadline misses by app, TTFT/TBT/E2EL histograms by kind, queue length and engine gauges."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("jitflow_requests", "Finished requests by SLO kind and outcome",
-                                ["kind", "outcome"], registry=r)
+        self._apps: set[str] = set()
+        self.requests = Counter("jitflow_requests", "Finished requests by SLO kind, outcome and application",
+                                ["kind", "outcome", "app"], registry=r)
+        self.sub_deadline_misses = Counter("jitflow_sub_deadline_misses", "Compound calls that ended after "
+                                           "their stage's sub-deadline, by application", ["app"], registry=r)
         self.ttft = Histogram("jitflow_ttft_seconds", "Time to first token", ["kind"], buckets=_LAT_BUCKETS,
                               registry=r)
         self.tbt = Histogram("jitflow_tbt_seconds", "Time between tokens", ["kind"], buckets=_LAT_BUCKETS,
                              registry=r)
         self.e2el = Histogram("jitflow_e2el_seconds", "End-to-end latency", ["kind"], buckets=_LAT_BUCKETS,
                               registry=r)
-        self.output_tokens = Counter("jitflow_output_tokens", "Generated tokens", ["kind"], registry=r)
+        self.output_tokens = Counter("jitflow_output_tokens", "Generated tokens", ["kind", "app"], registry=r)
         self.goodput_tokens = Counter("jitflow_goodput_tokens", "Tokens counted as goodput",
-                                      ["kind"], registry=r)
+                                      ["kind", "app"], registry=r)
         self.queue = Gauge("jitflow_queue_length", "Requests waiting for their first token", registry=r)
         self.in_flight = Gauge("jitflow_requests_in_flight", "Requests being served", registry=r)
         self.engine_waiting = Gauge("jitflow_engine_waiting", "Requests in the engine's waiting queue", registry=r)
@@ -79,20 +92,48 @@ class ServerMetrics:
                                           "advice because the pattern match timed out, was queued too deep or "
                                           "failed", ["reason"], registry=r)
 
-    def observe(self, timing: RequestTiming, outcome: str, summary: dict) -> None:
-        """Record one finished request (``outcome``: slo_met|slo_missed|best_effort|aborted|rejected|error)."""
+    def app_label(self, app: str | None) -> str:
+        """The ``app`` label of ``app``: :data:`NO_APP` for none, the name for the first
+        :data:`MAX_APP_LABELS` applications seen, :data:`OTHER_APP` after that."""
+        if not app:
+            return NO_APP
+        if app in self._apps:
+            return app
+        if len(self._apps) < MAX_APP_LABELS:
+            self._apps.add(app)
+            return app
+        return OTHER_APP
+
+    def observe(self, timing: RequestTiming, outcome: str, summary: dict, app: str | None = None) -> None:
+        """Record one finished request (``outcome``: slo_met|slo_missed|best_effort|aborted|rejected|error) of
+        application ``app`` (``None`` outside a compound task)."""
         k = timing.slo.kind.value
-        self.requests.labels(k, outcome).inc()
+        a = self.app_label(app)
+        self.requests.labels(k, outcome, a).inc()
+        tt = timing.token_times
+        if timing.sub_deadline is not None and tt and tt[-1] > timing.sub_deadline:
+            self.sub_deadline_misses.labels(a).inc()
         if summary.get("ttft") is not None:
             self.ttft.labels(k).observe(summary["ttft"])
-        tt = timing.token_times
-        for a, b in zip(tt, tt[1:]):
-            self.tbt.labels(k).observe(b - a)
+        for t0, t1 in zip(tt, tt[1:]):
+            self.tbt.labels(k).observe(t1 - t0)
         if summary.get("e2el") is not None:
             self.e2el.labels(k).observe(summary["e2el"])
-        self.output_tokens.labels(k).inc(len(tt))
-        self.goodput_tokens.labels(k).inc(summary.get("token_goodput") or 0)
+        self.output_tokens.labels(k, a).inc(len(tt))
+        self.goodput_tokens.labels(k, a).inc(summary.get("token_goodput") or 0)
 
     def render(self) -> bytes:
-        """Prometheus text exposition."""
-        return generate_latest(self.registry)
+        """Prometheus text exposition: jitflow's metrics, then vLLM's own ``vllm:*`` ones when the embedded
+        engine records them (they live in ``prometheus_client``'s global registry of this process)."""
+        return generate_latest(self.registry) + generate_latest(_VllmMetrics())
+
+
+class _VllmMetrics:
+    """A collector view of the ``vllm:*`` families of ``prometheus_client``'s global registry."""
+
+    def collect(self):
+        from prometheus_client import REGISTRY
+
+        for family in REGISTRY.collect():
+            if family.name.startswith("vllm:"):
+                yield family

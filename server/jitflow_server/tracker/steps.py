@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from jitflow_server.scheduler.admission import ServiceRate
+from jitflow_server.scheduler.types import TokenTimeModel
 
 #: Columns of one entry of the engine's step log (``JitflowScheduler.step_log``,
 #: ``GET /v1/jitflow/engine/steps``, ``steps.json``): unix time (s), period since the previous step
@@ -107,6 +108,16 @@ class StepTimeTracker:
         if len(self.samples) >= 8:
             t = max(t, 0.5 * statistics.median(s.duration for s in self.samples))
         return t
+
+    def token_time_model(self) -> TokenTimeModel | None:
+        """:meth:`token_time` as a line in the batch size (for policies that choose the batch size), or
+        ``None`` before 8 steps were measured."""
+        coef = self._fit()
+        if coef is None or len(self.samples) < 8:
+            return None
+        a, b, _c = coef
+        w = self.wall_factor()
+        return TokenTimeModel(a * w, b * w, 0.5 * statistics.median(s.duration for s in self.samples))
 
     def prefill_rate(self) -> float:
         """Prefill throughput (tokens/s) implied by the fit (default before measurements)."""

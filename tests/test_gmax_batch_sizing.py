@@ -1,0 +1,82 @@
+"""GMAX's batch sizing: on an engine whose step time grows with the batch, the frame runs the number of
+requests that earns the most goodput per second, not always B."""
+
+from __future__ import annotations
+
+import pytest
+
+from jitflow_server.scheduler import Kind, RequestView, SchedContext, TokenTimeModel, make_policy
+from jitflow_server.tracker.steps import StepTimeTracker
+
+#: 0.02 s + 0.01 s per decoding request: 0.10 s per token at B = 8, 0.07 s at 5.
+CPU_LIKE = TokenTimeModel(base_s=0.02, per_request_s=0.01)
+
+
+def ctx(model: TokenTimeModel | None, b: int = 8) -> SchedContext:
+    v = model.token_time(b) if model else 0.05
+    return SchedContext(now=100.0, batch_size=b, token_time=v, prefill_rate=1e12, token_time_model=model)
+
+
+def deadline_requests(n: int, deadline_s: float, out: int = 100) -> list[RequestView]:
+    """``n`` waiting deadline requests of ``out`` tokens due ``deadline_s`` after now (t = 100 s)."""
+    return [RequestView(f"d{i}", Kind.DEADLINE, 100.0, 50, 0, out, False, deadline=100.0 + deadline_s)
+            for i in range(n)]
+
+
+def test_a_full_batch_that_breaks_every_deadline_is_shrunk_to_the_size_that_meets_them():
+    # 12 requests for 8 slots, 100 tokens each by 7.5 s: at 8 (0.10 s/token) and 6 (0.08) every request is
+    # late; at 5 (0.07) it is on time.
+    views = deadline_requests(12, 7.5)
+    d = make_policy("gmax").schedule(views, ctx(CPU_LIKE))
+    assert d.info["batch_size"] == 5
+    assert len(d.batch) == 5
+
+
+def test_with_no_more_requests_than_slots_every_request_runs():
+    # the same 100-token requests, 8 of them for 8 slots: the batch is not shrunk below N at moderate load
+    d = make_policy("gmax").schedule(deadline_requests(8, 7.5), ctx(CPU_LIKE))
+    assert len(d.batch) == 8
+
+
+def test_the_paper_variant_and_batch_sizing_full_always_fill_b():
+    views = deadline_requests(12, 7.5)
+    assert len(make_policy("gmax-paper").schedule(views, ctx(CPU_LIKE)).batch) == 8
+    assert len(make_policy("gmax", batch_sizing="full").schedule(views, ctx(CPU_LIKE)).batch) == 8
+
+
+def test_throughput_wins_when_every_request_is_on_time_at_full_batch():
+    views = deadline_requests(12, 60.0)  # 10 s of work at B = 8: every deadline holds
+    d = make_policy("gmax").schedule(views, ctx(CPU_LIKE))
+    assert d.info["batch_size"] == 8 and len(d.batch) == 8
+
+
+def test_without_a_token_time_model_or_with_a_flat_one_the_batch_is_b():
+    views = deadline_requests(12, 7.5)
+    assert len(make_policy("gmax").schedule(views, ctx(None)).batch) == 8
+    flat = TokenTimeModel(base_s=0.05, per_request_s=0.0)
+    assert len(make_policy("gmax").schedule(views, ctx(flat)).batch) == 8
+
+
+def test_chat_tbt_slos_shrink_the_batch_only_as_far_as_they_need():
+    # TBT SLO 0.075 s: on time at up to 5 requests (0.07 s), late beyond; 12 chat requests waiting.
+    views = [RequestView(f"c{i}", Kind.LATENCY, 100.0, 50, 0, 100, False, ttft=0.5, tbt=0.075) for i in range(12)]
+    d = make_policy("gmax").schedule(views, ctx(CPU_LIKE))
+    assert d.info["batch_size"] == 5
+
+
+def test_invalid_batch_sizing_parameters_are_refused():
+    with pytest.raises(ValueError, match="batch_sizing"):
+        make_policy("gmax", batch_sizing="half")
+    with pytest.raises(ValueError, match="batch_margin"):
+        make_policy("gmax", batch_margin=-1.0)
+
+
+def test_the_tracker_gives_its_token_time_as_a_line_in_the_batch_size():
+    tr = StepTimeTracker()
+    assert tr.token_time_model() is None  # nothing measured yet
+    for n in (1, 4, 8, 16, 32, 2, 24, 12):
+        tr.record(0.01 + 0.002 * n, n, 0, period=0.012 + 0.0024 * n)
+    model = tr.token_time_model()
+    assert model is not None and model.per_request_s > 0
+    for k in (1, 8, 32):
+        assert model.token_time(k) == pytest.approx(tr.token_time(k), rel=1e-6)
