@@ -19,7 +19,7 @@ from jitflow_server.api.state import ServerSettings
 from jitflow_server.cli import app as cli_app
 from jitflow_server.engine.fake import FakeEngine
 from jitflow_server.serve import is_loopback
-from test_api_fake_engine import MSG, env, serve  # noqa: F401  (env: the fixture, used by every test here)
+from test_api_fake_engine import MSG, serve
 
 pytestmark = pytest.mark.usefixtures("env")
 

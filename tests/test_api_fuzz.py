@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from jitflow_server.engine.fake import FakeEngine
-from test_api_fake_engine import env, serve  # noqa: F401  (env: the fixture)
+from test_api_fake_engine import serve
 
 #: Examples per operation (each one HTTP request). Enough to hit the validators' edges; bounded so the suite
 #: stays fast.

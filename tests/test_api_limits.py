@@ -12,7 +12,7 @@ from jitflow_server.api.limits import MAX_SCHEMA_COUNT, MAX_SCHEMA_DEPTH, check_
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.state import ServerSettings
 from jitflow_server.engine.fake import FakeEngine
-from test_api_fake_engine import MSG, env, serve  # noqa: F401  (env: the fixture, used by every test here)
+from test_api_fake_engine import MSG, serve
 
 pytestmark = pytest.mark.usefixtures("env")
 

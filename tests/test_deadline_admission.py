@@ -15,7 +15,7 @@ from jitflow_server.api.state import ServerSettings
 from jitflow_server.engine.fake import FakeEngine
 from jitflow_server.scheduler.admission import Commitment, ServiceRate, admission_deadline, fits_commitments
 from jitflow_server.tracker.steps import StepTimeTracker
-from test_api_fake_engine import MSG, env, serve  # noqa: F401  (env: the fixture)
+from test_api_fake_engine import MSG, serve
 
 pytestmark = pytest.mark.usefixtures("env")
 
