@@ -210,7 +210,7 @@ def response_object(body: ResponsesRequest, rid: str, created: float, *, status:
     """The Responses API ``response`` object (OpenAI's required fields, plus the ``jitflow`` summary)."""
     output = []
     if text is not None:
-        output = [{"type": "message", "id": "msg_" + rid.removeprefix("resp_"), "status": status, "role": "assistant",
+        output = [{"type": "message", "id": _item_id(rid), "status": status, "role": "assistant",
                    "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]
     incomplete = finish_reason == "length"
     return {
@@ -257,7 +257,7 @@ async def _events(state, body: ResponsesRequest, started: Started, created: floa
     failure mid-stream is an ``error`` event."""
     call, finish = started.call, started.finish
     rid, seq = call.rid, [0]
-    item_id = "msg_" + rid.removeprefix("resp_")
+    item_id = _item_id(rid)
     loc = {"item_id": item_id, "output_index": 0, "content_index": 0}
     ok, parts = False, []
     try:
@@ -297,6 +297,11 @@ async def _events(state, body: ResponsesRequest, started: Started, created: floa
         state.in_flight -= 1
         finish(ok)
         await call.close()
+
+
+def _item_id(rid: str) -> str:
+    """The id of the one message item of response ``rid`` (``msg_`` + the response's hex digits)."""
+    return "msg_" + rid.removeprefix("resp_")
 
 
 def new_response_id() -> str:

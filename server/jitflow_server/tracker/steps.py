@@ -104,13 +104,14 @@ class StepTimeTracker:
         Never below half the median measured step: a least-squares fit over few or similar samples can
         extrapolate to ~0, which would make GMAX's frames (Δ·v_token) vanishingly short.
         """
-        t = self.step_time(max(batch, 1)) * self.wall_factor()
-        if len(self.samples) >= 8:
-            t = max(t, 0.5 * statistics.median(s.duration for s in self.samples))
-        return t
+        model = self.token_time_model()
+        if model is not None:
+            return model.token_time(batch)
+        return self.step_time(max(batch, 1)) * self.wall_factor()
 
     def token_time_model(self) -> TokenTimeModel | None:
-        """:meth:`token_time` as a line in the batch size (for policies that choose the batch size), or
+        """:meth:`token_time` as a line in the batch size, ``(a + b·k)·wall_factor`` floored at half the
+        median measured step (for policies that choose the batch size, and for :meth:`token_time`), or
         ``None`` before 8 steps were measured."""
         coef = self._fit()
         if coef is None or len(self.samples) < 8:
