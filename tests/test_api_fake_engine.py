@@ -175,6 +175,22 @@ def test_models_by_id_and_request_ids_as_openai_serves_them(env):
         assert bad.headers["x-request-id"].startswith("req_")
 
 
+def test_http_metrics_count_requests_by_route_and_status_class(env):
+    with serve(FakeEngine(eos_after=2)) as (url, _):
+        for _ in range(3):
+            assert _chat(url, max_tokens=4).status_code == 200
+        assert _chat(url, max_tokens=0).status_code == 400
+        httpx.get(url + "/health")
+        text = httpx.get(url + "/metrics").text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("http_requests_total{")}
+    chat = 'handler="/v1/chat/completions",method="POST"'
+    assert samples[f'http_requests_total{{{chat},status="2xx"}}'] == 3
+    assert samples[f'http_requests_total{{{chat},status="4xx"}}'] == 1
+    assert not any("/health" in k or "/metrics" in k for k in samples)  # probes and scrapes: not counted
+    assert f"http_request_duration_seconds_count{{{chat}}} 4.0" in text  # and their latency
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),

@@ -23,12 +23,12 @@ def test_the_openai_client_gets_a_response_with_concord_slo_fields(env):
     with serve(eng) as (url, state):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         r = client.responses.create(model="fake", input="plan the trip", instructions="be brief",
-                                    max_output_tokens=12, extra_body={"deadline": 30, "waiting_time": 5})
+                                    max_output_tokens=16, extra_body={"deadline": 30, "waiting_time": 5})
         assert r.status == "completed" and r.output_text == " t0 t1 t2 t3"
         assert r.usage.output_tokens == 4 and r.usage.input_tokens > 0 and r.id.startswith("resp_")
         (req,) = eng.requests.values()
         assert req.request_id == r.id and req.hints.kind is Kind.DEADLINE and req.hints.deadline == 30
-        assert req.hints.waiting_time <= 5 and req.max_tokens == 12
+        assert req.hints.waiting_time <= 5 and req.max_tokens == 16
         assert not state.live and state.in_flight == 0
 
 
@@ -54,9 +54,9 @@ def test_latency_targets_become_a_latency_slo_and_the_stream_has_openai_events(e
 
 def test_max_output_tokens_cut_makes_the_response_incomplete(env):
     with serve(FakeEngine()) as (url, _):
-        body = _post(url, max_output_tokens=3).json()
+        body = _post(url, max_output_tokens=16).json()  # OpenAI's least
         assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
-        assert body["usage"]["output_tokens"] == 3
+        assert body["usage"]["output_tokens"] == 16
 
 
 @pytest.mark.parametrize(("extra", "param"), [
@@ -67,7 +67,7 @@ def test_max_output_tokens_cut_makes_the_response_incomplete(env):
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x", "detail": "auto"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"target_ttft": 2}, "target_tbt"),
@@ -86,7 +86,7 @@ def test_unserved_features_are_refused_naming_the_field(env, extra, param):
         assert err["param"] == param and err["type"] == "invalid_request_error"
         assert eng.requests == {}  # nothing reached the engine
         # what clients send by default asks for nothing and is served
-        ok = _post(url, max_output_tokens=2, tools=[], tool_choice="auto", store=False, include=[])
+        ok = _post(url, max_output_tokens=16, tools=[], tool_choice="auto", store=False, include=[])
         assert ok.status_code == 200, ok.text
 
 
@@ -94,7 +94,7 @@ def test_the_sdk_creates_responses_with_slos_and_streams_them(env):
     eng = FakeEngine(eos_after=3)
     with serve(eng) as (url, _):
         with jitflow.Client(base_url=url) as client:
-            r = client.responses.create(input="plan the trip", deadline=20, max_output_tokens=8)
+            r = client.responses.create(input="plan the trip", deadline=20, max_output_tokens=16)
             assert isinstance(r, jitflow.Response) and r.output_text == " t0 t1 t2"
             assert r.jitflow.kind == "deadline" and r.jitflow.slo_met is True and r.usage.output_tokens == 3
             with client.responses.create(input="again", target_ttft=5, target_tbt=1, stream=True) as stream:

@@ -21,8 +21,13 @@ def test_bench_frame_writes_json_and_markdown(tmp_path):
         for r in per.values():
             assert 0 < r["p50_ms"] <= r["p99_ms"]
     md = (out / "frame.md").read_text()
-    assert "| 120 | gmax |" in md
+    assert "| 120 | gmax |" in md and "Token-time line: 0.01 + 0.00015·k" in md
+    assert data["config"]["token_time_model"] == [0.01, 0.00015]
     assert (out / "frame.png").stat().st_size > 0
+    plain = CliRunner().invoke(app, ["bench", "frame", "--requests", "50", "--repeats", "2", "--policies", "gmax",
+                                     "--no-token-time-model", "--out", str(tmp_path / "plain")])
+    assert plain.exit_code == 0, plain.output
+    assert json.loads((tmp_path / "plain" / "frame.json").read_text())["config"]["token_time_model"] is None
 
 
 def test_bench_frame_rejects_bad_arguments(tmp_path):

@@ -176,12 +176,18 @@ def test_one_trace_across_client_and_server(server_url, server_files):
         time.sleep(0.2)
     serve = [s for s in server_spans if s["name"].startswith("serve")]
     assert len(serve) == 5
+    # the HTTP SERVER spans (FastAPI instrumentation) are children of the SDK's chat spans, and each
+    # generation's ``serve`` span a child of its HTTP span
     chat_ids = {format(c.context.span_id, "016x") for c in chats}
-    assert all(s["parent_id"].removeprefix("0x") in chat_ids for s in serve)
-    assert {s["name"] for s in server_spans} >= {"queue", "decode"}
-    attrs = serve[0]["attributes"]  # GenAI and HTTP semantic conventions on the server span
-    assert attrs["gen_ai.provider.name"] == "jitflow" and attrs["http.request.method"] == "POST"
-    assert attrs["http.route"] == "/v1/chat/completions" and attrs["http.response.status_code"] == 200
+    http = {s["context"]["span_id"]: s for s in server_spans if s["kind"] == "SpanKind.SERVER"}
+    assert all(s["parent_id"].removeprefix("0x") in chat_ids for s in http.values()), http
+    assert all(s["parent_id"] in http for s in serve)
+    assert {s["name"] for s in server_spans} >= {"queue", "decode", "POST /v1/chat/completions"}
+    attrs = serve[0]["attributes"]  # GenAI semantic conventions on the generation's span
+    assert attrs["gen_ai.provider.name"] == "jitflow" and attrs["gen_ai.request.model"] == "tiny"
+    h = http[serve[0]["parent_id"]]["attributes"]  # HTTP semantic conventions on the request's
+    assert h["http.request.method"] == "POST" and h["http.route"] == "/v1/chat/completions"
+    assert h["http.response.status_code"] == 200
 
 
 def test_telemetry_to_a_dead_server_does_not_block_the_agent():

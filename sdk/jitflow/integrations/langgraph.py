@@ -26,6 +26,14 @@ from typing import Any
 
 import httpx
 
+from jitflow.integrations._transport import (
+    AsyncHeaderTransport,
+    HeaderTransport,
+    check_task,
+    client_kwargs,
+    task_context_headers,
+)
+
 __all__ = ["task_config", "http_client", "async_http_client", "JitflowTransport", "AsyncJitflowTransport",
            "task_headers"]
 
@@ -41,10 +49,7 @@ def task_config(app: str, deadline: float, *, task_id: str | None = None,
     Raises:
         ValueError: ``deadline`` not a positive number of seconds, or an empty ``app``.
     """
-    if not app:
-        raise ValueError("app must be a non-empty application name")
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < float("inf"):
-        raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
+    check_task(app, deadline)
     out = dict(config or {})
     configurable = dict(out.get("configurable") or {})
     configurable[TASK_KEY] = {"task_id": task_id or uuid.uuid4().hex, "app": app,
@@ -66,55 +71,34 @@ def task_headers() -> dict[str, str]:
     if not isinstance(task, dict):
         return {}
     meta = cfg.get("metadata") or {}
-    out = {"x-jitflow-task-id": str(task["task_id"]), "x-jitflow-app": str(task["app"]),
-           "x-jitflow-slo-kind": "compound",
-           "x-jitflow-deadline": f"{max(task['deadline_at'] - time.time(), 0.001):.3f}"}
     step = meta.get("langgraph_step")
-    if isinstance(step, int):
-        out["x-jitflow-stage-index"] = str(max(step - 1, 0))  # LangGraph counts super-steps from 1
     node = meta.get("langgraph_node")
-    if node:
-        out["x-jitflow-stage"] = str(node)
-    return out
+    return task_context_headers(str(task["task_id"]), str(task["app"]), task["deadline_at"],
+                                str(node) if node else None,
+                                max(step - 1, 0) if isinstance(step, int) else None)  # steps count from 1
 
 
-class JitflowTransport(httpx.BaseTransport):
+class JitflowTransport(HeaderTransport):
     """An httpx transport adding :func:`task_headers` to every request, then sending it with ``inner``
     (default ``httpx.HTTPTransport()``)."""
 
     def __init__(self, inner: httpx.BaseTransport | None = None) -> None:
-        self._inner = inner or httpx.HTTPTransport()
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        request.headers.update(task_headers())
-        return self._inner.handle_request(request)
-
-    def close(self) -> None:
-        self._inner.close()
+        super().__init__(task_headers, inner)
 
 
-class AsyncJitflowTransport(httpx.AsyncBaseTransport):
+class AsyncJitflowTransport(AsyncHeaderTransport):
     """Async twin of :class:`JitflowTransport`."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport | None = None) -> None:
-        self._inner = inner or httpx.AsyncHTTPTransport()
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        request.headers.update(task_headers())
-        return await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
+        super().__init__(task_headers, inner)
 
 
 def http_client(**kwargs: Any) -> httpx.Client:
     """An ``httpx.Client`` with :class:`JitflowTransport` (``kwargs`` go to ``httpx.Client``; give
     ``timeout`` for long generations: the default is 600 s)."""
-    kwargs.setdefault("timeout", httpx.Timeout(600, connect=5))
-    return httpx.Client(transport=JitflowTransport(), **kwargs)
+    return httpx.Client(transport=JitflowTransport(), **client_kwargs(kwargs))
 
 
 def async_http_client(**kwargs: Any) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` with :class:`AsyncJitflowTransport` (see :func:`http_client`)."""
-    kwargs.setdefault("timeout", httpx.Timeout(600, connect=5))
-    return httpx.AsyncClient(transport=AsyncJitflowTransport(), **kwargs)
+    return httpx.AsyncClient(transport=AsyncJitflowTransport(), **client_kwargs(kwargs))

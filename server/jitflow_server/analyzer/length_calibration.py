@@ -57,6 +57,13 @@ class OnlineCalibrator:
     distribution shift, with error ``O(1/(γT))``. A new group starts from the θ of the global group of
     its k-bucket (which is updated by every observation), so an unseen model/app/kind inherits what was
     learned so far. ``step`` γ is in spread units (0.05 ≈ 5 % of the spread).
+
+    Why not a conformal library: crepes' Mondrian ``ConformalRegressor`` gives per-group bounds, but by
+    split conformal over an exchangeable calibration set; it does not track a shifting distribution
+    (a new application, a new model), and refitting it per observation costs 0.3 ms at 1 000 residuals
+    and 1.2 ms at 10 000 (crepes 0.9.1, measured on the 2-core Xeon) where the update here is one addition.
+    MAPIE's adaptive conformal inference (its time-series regressor) wraps one estimator over one series,
+    with no groups and no k-buckets. The method here is the ACI update itself, a few lines.
     """
 
     def __init__(self, quantile: float = DEFAULT_QUANTILE, step: float = 0.05, max_abs: float = 3.0) -> None:

@@ -16,11 +16,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jitflow_server.api.admin import register_admin_routes
 from jitflow_server.api.auth import Auth
 from jitflow_server.api.limits import BodySizeLimit
+from jitflow_server.api.openai_spec import load as load_openai_spec
 from jitflow_server.api.request_id import RequestId
 from jitflow_server.api.responses import ResponsesRequest, new_response_id, responses_param, to_chat
 from jitflow_server.api.responses import respond as respond_response
@@ -28,7 +30,7 @@ from jitflow_server.api.schemas import APIError, ChatCompletionRequest, Completi
 from jitflow_server.api.serving import serve_request, start_call
 from jitflow_server.api.state import ServerSettings, ServerState
 from jitflow_server.api.tasks import attach_tasks, register_task_routes
-from jitflow_server.api.tracing import setup_tracing_from_env
+from jitflow_server.api.tracing import instrument_app, setup_tracing_from_env
 from jitflow_server.engine.protocol import Engine
 from jitflow_server.settings import env_settings
 
@@ -101,6 +103,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
     settings = settings or ServerSettings()
     setup_tracing_from_env()
     state = ServerState(engine, settings)
+    spec = load_openai_spec()
+
+    async def conform(endpoint: str, request: Request) -> None:
+        """400 naming the field unless the body conforms to OpenAI's specification (``openai_spec.py``)."""
+        if spec is not None:
+            spec.check(endpoint, await request.json())  # Starlette keeps the parsed body: no second parse
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -130,6 +138,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Auth, keys=settings.api_keys)  # no body is read before the key is checked
     app.add_middleware(RequestId)  # outermost: every answer, 401 and 413 included, names its request
+    instrument_app(app)  # an HTTP SERVER span per request (outside all of the above)
+    # HTTP metrics (http_requests_total, http_request_duration_seconds, ... by handler, method and status
+    # class) in the server's own registry, next to the SLO metrics on /metrics
+    Instrumentator(registry=state.metrics.registry, excluded_handlers=["/metrics", "/health"]).instrument(app)
     app.state.jitflow = state
     register_task_routes(app, state)
     register_admin_routes(app, state)
@@ -156,6 +168,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        await conform("chat", request)
         _check_model(state, body.model)
         msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                 for m in body.messages]
@@ -165,6 +178,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
+        await conform("responses", request)
         _check_model(state, body.model)
         try:
             chat_body = to_chat(body)
@@ -180,6 +194,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        await conform("completion", request)
         _check_model(state, body.model)
         if isinstance(body.prompt, str):
             prompt_ids = await _tokenize(engine.encode, body.prompt, len(body.prompt))

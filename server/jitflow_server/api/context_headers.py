@@ -48,7 +48,7 @@ def _parse(model, names: dict[str, str], headers: Mapping[str, str]):
         else:
             values[field] = text
     try:
-        return model.model_validate(values)
+        return model.model_validate(values, strict=False)  # header values are strings: "2" is stage 2
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err.get("loc") else None

@@ -33,9 +33,11 @@ from jitflow_server.api.schemas import (
     SLO,
     APIError,
     ChatCompletionRequest,
+    Integer,
     TaskContext,
     check_seconds,
     check_utf8,
+    null_is_default,
 )
 from jitflow_server.api.serving import Started, respond_json
 
@@ -50,12 +52,12 @@ SLO_FIELDS = ("deadline", "target_ttft", "target_tbt", "waiting_time")
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` body (OpenAI Responses API plus Concord's SLO fields and jitflow's)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: Integer | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     stream: bool = False
@@ -80,12 +82,17 @@ class ResponsesRequest(BaseModel):
     include: list[Any] | None = None
     reasoning: Any = None
     prompt: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: Integer | None = None
 
     @field_validator(*SLO_FIELDS, mode="before")
     @classmethod
     def _seconds(cls, v: Any, info) -> Any:
         return check_seconds(v, info.field_name)
+
+    @field_validator("temperature", "top_p", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info) -> Any:
+        return null_is_default(cls, v, info.field_name)
 
     @field_validator("instructions")
     @classmethod
@@ -222,12 +229,13 @@ def response_object(body: ResponsesRequest, rid: str, created: float, *, status:
         "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": None, "reasoning": None, "store": False, "temperature": body.temperature,
         "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": "none", "tools": [],
-        "top_p": body.top_p, "truncation": body.truncation or "disabled", "user": body.user,
+        "top_p": body.top_p, "truncation": body.truncation or "disabled",
+        **({"user": body.user} if body.user is not None else {}),
         "metadata": body.metadata or {},
-        "usage": None if usage is None else {
+        **({} if usage is None else {"usage": {  # absent, not null, until known (OpenAI's schema)
             "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"]},
+            "total_tokens": usage["total_tokens"]}}),
         "jitflow": summary,
     }
 
@@ -268,7 +276,7 @@ async def _events(state, body: ResponsesRequest, started: Started, created: floa
         item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
         yield _sse(seq, {"type": "response.output_item.added", "output_index": 0, "item": item})
         yield _sse(seq, {"type": "response.content_part.added", **loc,
-                         "part": {"type": "output_text", "text": "", "annotations": []}})
+                         "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
         ev = started.first
         while True:
             try:

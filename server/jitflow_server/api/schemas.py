@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 SLO_KINDS = ("latency", "deadline", "compound", "best_effort")
 
@@ -57,10 +57,30 @@ def check_seconds(v: Any, name: str) -> float | None:
     return float(v)
 
 
+def _integral(v: Any) -> Any:
+    """A JSON number with no fraction (``5.0``) as the integer it is (JSON Schema counts it as one)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+#: An integer field of a request. Request models are strict (OpenAI's schema types, no coercion of
+#: ``"5"`` or ``true``), but JSON Schema's ``integer`` includes ``5.0``, so that is accepted.
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+#: Request models: OpenAI's schema types are enforced as written (``"5"`` is not an integer, ``1`` not a
+#: boolean), never coerced.
+STRICT = ConfigDict(strict=True)
+
+
+def null_is_default(model: type[BaseModel], v: Any, field_name: str) -> Any:
+    """``v``, or the field's default when ``v`` is ``null`` (OpenAI's schema makes these fields nullable,
+    with ``null`` meaning "the default")."""
+    return model.model_fields[field_name].default if v is None else v
+
+
 class SLO(BaseModel):
     """The ``slo`` object: kind and its parameters (seconds). JITServe §3, §5."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     kind: Literal["latency", "deadline", "compound", "best_effort"] = "best_effort"
     ttft: float | None = None
@@ -85,14 +105,14 @@ class SLO(BaseModel):
 class TaskContext(BaseModel):
     """The ``jitflow`` object: which compound task and stage a call belongs to (docs/api.md)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     task_id: str = Field(min_length=1, max_length=200)
     #: the application of a task the call registers implicitly (no ``POST /v1/tasks``); ignored for a
     #: registered task, which named its app when it was registered
     app: str | None = Field(default=None, min_length=1, max_length=200)
     stage: str | None = None
-    stage_index: int = Field(default=0, ge=0)
+    stage_index: Integer = Field(default=0, ge=0)
     call_id: str | None = None
     parents: list[str] = Field(default_factory=list)
 
@@ -100,10 +120,17 @@ class TaskContext(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message (text content, or a list of ``{"type": "text", "text": ...}`` parts)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _served_role(cls, v: str) -> str:
+        if v == "function":
+            raise ValueError("function messages belong to tool calling, which this server does not support")
+        return v
 
     @field_validator("content")
     @classmethod
@@ -127,25 +154,27 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     """OpenAI ``stream_options``."""
 
+    model_config = STRICT
+
     include_usage: bool = True
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Integer | None = Field(default=None, ge=1)
+    max_completion_tokens: Integer | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=1)
+    n: Integer = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
         list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    seed: Integer | None = Field(default=None, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0, le=2**31)
+    min_tokens: Integer = Field(default=0, ge=0, le=2**31)
     user: str | None = None
     slo: SLO | None = None
     jitflow: TaskContext | None = None
@@ -157,8 +186,8 @@ class _Common(BaseModel):
     #: silently dropped (a client asking for tool calls must not get a plain answer as if it had none).
     tools: list[Any] | None = None
     tool_choice: Any = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | Integer | None = None
+    top_logprobs: Integer | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -170,12 +199,12 @@ class _Common(BaseModel):
         what = "logprobs are" if "logprobs" in info.field_name else "tool calling is"
         raise ValueError(f"{what} not supported by this server")
 
-    @field_validator("temperature", "top_p", mode="before")
+    @field_validator("temperature", "top_p", "n", "stream", "ignore_eos", "min_tokens", mode="before")
     @classmethod
-    def _finite(cls, v: Any) -> Any:
+    def _finite(cls, v: Any, info) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("must be finite")
-        return v
+        return null_is_default(cls, v, info.field_name)
 
     @field_validator("stop")
     @classmethod
@@ -197,10 +226,20 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     """``POST /v1/completions`` body."""
 
-    prompt: str | list[int] = Field(min_length=1)
+    #: Text or token ids. OpenAI's other shapes: a list of one prompt is that prompt; a list of several
+    #: (a batch) and ``null`` (generate from the start of text) are refused with a 400 naming ``prompt``.
+    prompt: str | list[Integer] | list[str] | list[list[Integer]] | None
     response_format: dict[str, Any] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_is_utf8(cls, v: Any) -> Any:
+    def _one_prompt(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError("a prompt is required (null, the start of text alone, is not served)")
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) > 1:
+                raise ValueError(f"one prompt per request: this is a batch of {len(v)}; send one request each")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
         return check_utf8(v) if isinstance(v, str) else v

@@ -328,7 +328,7 @@ async def respond_json(state: ServerState, started: Started, chat: bool, request
         await call.close()
     text = "".join(text_parts)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                   "finish_reason": call.finish_reason, "logprobs": None}
     else:
         choice = {"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None}

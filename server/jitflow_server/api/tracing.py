@@ -1,17 +1,22 @@
 """Server-side OpenTelemetry: spans that join the client's trace (W3C trace context).
 
 The server is an application, so it may configure an exporter — but only when the
-operator asks for one with ``$JITFLOW_OTEL_EXPORTER``:
+operator asks for one with ``$JITFLOW_OTEL_EXPORTER`` (or OpenTelemetry's ``$OTEL_TRACES_EXPORTER``,
+``console`` or ``otlp``, when that is unset):
 
 - ``console``: JSON spans on stderr;
 - ``file:PATH``: one JSON span per line appended to PATH (used by the tests);
 - ``otlp``: OTLP/HTTP to ``$OTEL_EXPORTER_OTLP_ENDPOINT`` (needs ``opentelemetry-exporter-otlp``).
 
-Without it the API's no-op tracer is used. Each request gets a SERVER span
-``serve {model}`` (child of the caller's ``chat {model}`` span when a ``traceparent``
-header is present) with children ``queue`` (arrival -> first token: queueing, scheduling
-and prefill) and ``decode`` (first -> last token), carrying GenAI and ``jitflow.*`` attributes.
-The incoming trace headers are also forwarded to vLLM (its own tracing, when enabled).
+A server run under ``opentelemetry-instrument`` (opentelemetry-distro) keeps the provider that set up,
+and ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` name the service. Without either, the API's
+no-op tracer is used.
+
+Every HTTP request gets the SERVER span of opentelemetry-instrumentation-fastapi (HTTP semantic
+conventions, the caller's W3C trace context extracted; ``/health`` and ``/metrics`` excluded). A
+generation request adds ``serve {model}`` inside it, with children ``queue`` (arrival -> first token:
+queueing, scheduling and prefill) and ``decode`` (first -> last token), carrying GenAI and ``jitflow.*``
+attributes. The incoming trace headers are also forwarded to vLLM (its own tracing, when enabled).
 """
 
 from __future__ import annotations
@@ -30,10 +35,18 @@ _configured = False
 
 
 def setup_tracing_from_env() -> None:
-    """Install a ``TracerProvider`` with the exporter named by ``$JITFLOW_OTEL_EXPORTER`` (once)."""
+    """Install a ``TracerProvider`` with the exporter named by ``$JITFLOW_OTEL_EXPORTER``, else by
+    OpenTelemetry's own ``$OTEL_TRACES_EXPORTER`` (``console`` or ``otlp``), once; nothing when another
+    provider is installed already (``opentelemetry-instrument``)."""
+    # Hand-wired rather than through the SDK's environment configurator (what opentelemetry-distro runs):
+    # that one is private API (opentelemetry.sdk._configuration), and ``file:PATH``, one JSON span per
+    # line, which the tests read, is not one of its exporters. A server run under opentelemetry-instrument
+    # is configured by the distro itself and left alone here.
     global _configured
     spec = env_settings().otel_exporter.strip()
-    if _configured or not spec:
+    if not spec and os.environ.get("OTEL_TRACES_EXPORTER", "").strip() in ("console", "otlp"):
+        spec = os.environ["OTEL_TRACES_EXPORTER"].strip()
+    if _configured or not spec or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -62,23 +75,44 @@ def setup_tracing_from_env() -> None:
     _configured = True
 
 
+#: Paths without an HTTP span: probes and scrapes, many per minute, nothing to trace.
+UNTRACED_PATHS = "/health,/metrics"
+
+
+def instrument_app(app) -> None:
+    """Give every HTTP request of ``app`` (a FastAPI app) its SERVER span, with the FastAPI
+    instrumentation package (``jitflow[otel]``); a warning and no HTTP spans without it."""
+    # the stable HTTP conventions (``http.request.method``, ``http.response.status_code``) unless the
+    # operator chose otherwise; the instrumentation still defaults to the old names
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
+    try:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+    except ImportError:
+        logger.warning("no HTTP spans: install jitflow[otel] (opentelemetry-instrumentation-fastapi)")
+        return
+    if not getattr(app, "_is_instrumented_by_opentelemetry", False):  # opentelemetry-instrument did it
+        # no span per ASGI send/receive: a streamed answer would get one per chunk
+        FastAPIInstrumentor.instrument_app(app, excluded_urls=UNTRACED_PATHS, exclude_spans=["send", "receive"])
+
+
 def tracer() -> trace.Tracer:
     """The server's tracer (no-op unless a provider is installed)."""
     return trace.get_tracer("jitflow.server", "0.1.0")
 
 
 def start_request_span(model: str, request, timing, *, chat: bool, task_ctx=None) -> trace.Span:
-    """Start the SERVER span ``serve {model}`` of one request, a child of the caller's span when the
-    request carries W3C trace headers (``request.trace_headers``). ``timing`` is the request's
-    ``RequestTiming`` (arrival, unix s)."""
+    """Start the span ``serve {model}`` of one request: a child of the HTTP request's SERVER span, or,
+    without one (the app not instrumented), of the caller's span named by the request's W3C trace
+    headers (``request.trace_headers``). ``timing`` is the request's ``RequestTiming`` (arrival, unix s)."""
     from opentelemetry import propagate
 
-    span = tracer().start_span(f"serve {model}", context=propagate.extract(dict(request.trace_headers or {})),
-                               kind=trace.SpanKind.SERVER, start_time=int(timing.arrival * 1e9))
+    http_span = trace.get_current_span().get_span_context().is_valid
+    context = None if http_span else propagate.extract(dict(request.trace_headers or {}))
+    span = tracer().start_span(f"serve {model}", context=context,
+                               kind=trace.SpanKind.INTERNAL if http_span else trace.SpanKind.SERVER,
+                               start_time=int(timing.arrival * 1e9))
     span.set_attributes({"gen_ai.operation.name": "chat" if chat else "text_completion",
                          "gen_ai.provider.name": "jitflow",
-                         "http.request.method": "POST",
-                         "http.route": "/v1/chat/completions" if chat else "/v1/completions",
                          "gen_ai.request.model": model, "gen_ai.request.max_tokens": request.max_tokens,
                          "gen_ai.response.id": request.request_id, "jitflow.slo.kind": timing.slo.kind,
                          "gen_ai.usage.input_tokens": timing.prompt_tokens})
@@ -103,8 +137,7 @@ def end_request_span(span: trace.Span, timing, summary: dict, finish_reason: str
         d.set_attribute("gen_ai.usage.output_tokens", summary["output_tokens"])
         d.end(end_time=int(end * 1e9))
     span.set_attributes({"gen_ai.usage.output_tokens": summary["output_tokens"],
-                         "gen_ai.response.finish_reasons": [finish_reason or "abort"],
-                         "http.response.status_code": 200})  # the span starts once the request is accepted
+                         "gen_ai.response.finish_reasons": [finish_reason or "abort"]})
     for k in ("ttft", "e2el", "slo_met"):
         if summary.get(k) is not None:
             span.set_attribute(f"jitflow.{k}", summary[k])

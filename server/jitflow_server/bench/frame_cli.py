@@ -6,6 +6,10 @@ the baselines, in steady state: between frames ``churn·N`` requests leave and a
 arrive, and the previous decision is applied (batch running, preempted requests lose their KV),
 so the snapshot cache sees the id turnover a live engine produces. The first (cold) frame of a
 fresh policy, which parses every request, is reported separately.
+
+Frames get a token-time line (:data:`FRAME_TOKEN_TIME`), as the plug-in's do once the SLO tracker has
+fitted the engine's steps, so GMAX's batch sizing (which scores several batch sizes when more than B
+requests want to run) is timed too; ``--no-token-time-model`` times frames without it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from pathlib import Path
 import typer
 
 DEFAULT_POLICIES = "gmax,gmax-paper,oracle,fcfs,sarathi,edf,sjf,las,slos-serve,qlm,tempo,vllm-priority"
+#: The token-time line of the frames (seconds per token at k requests: 0.01 + 0.00015·k, i.e. 0.02 s at
+#: B = 64, the context's ``token_time``): a GPU-like engine whose step grows mildly with the batch.
+FRAME_TOKEN_TIME = (0.01, 0.00015)
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -31,20 +38,23 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, batch_size: int = 64,
-                    churn: float = 0.01, seed: int = 0, progress: object | None = None) -> dict:
+                    churn: float = 0.01, seed: int = 0, progress: object | None = None,
+                    token_time_model: bool = True) -> dict:
     """Measure frame times; returns the JSON-able result dict (see module docstring).
 
     ``sizes``: numbers of queued requests N; ``repeats``: timed frames per (N, policy) after one
-    untimed warm frame; ``churn``: fraction of N replaced between frames. Units: milliseconds.
+    untimed warm frame; ``churn``: fraction of N replaced between frames; ``token_time_model``: give
+    the frames :data:`FRAME_TOKEN_TIME`. Units: milliseconds.
     """
     import time
 
     import numpy as np
 
-    from jitflow_server.scheduler import SchedContext, make_policy
+    from jitflow_server.scheduler import SchedContext, TokenTimeModel, make_policy
     from jitflow_server.scheduler.snapshot import SnapshotCache
     from jitflow_server.scheduler.synthetic import synthetic_views
 
+    line = TokenTimeModel(*FRAME_TOKEN_TIME) if token_time_model else None
     results: dict[str, dict[str, dict[str, float]]] = {}
     for n in sizes:
         k = max(1, int(round(churn * n)))
@@ -65,7 +75,7 @@ def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, ba
             for r in range(repeats + 1):
                 views = pool[r * k : r * k + n]
                 ctx = SchedContext(now=1000.0 + 0.5 * r, batch_size=batch_size, token_time=0.02,
-                                   prefill_rate=4000.0)
+                                   prefill_rate=4000.0, token_time_model=line)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 d = pol.schedule(views, ctx)
                 t1, c1 = time.perf_counter(), time.thread_time()
@@ -99,7 +109,8 @@ def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, ba
             }
     return {
         "config": {"requests": sizes, "policies": policies, "repeats": repeats, "batch_size": batch_size,
-                   "churn": churn, "seed": seed},
+                   "churn": churn, "seed": seed,
+                   "token_time_model": list(FRAME_TOKEN_TIME) if token_time_model else None},
         "machine": {"cpus": os.cpu_count(), "loadavg_1m_at_end": os.getloadavg()[0],
                     "python": platform.python_version()},
         "results": results,
@@ -124,6 +135,9 @@ def write_frame_report(res: dict, out: Path, command: str) -> None:
         f"{res['config']['repeats']} steady-state frames (churn {res['config']['churn']:.0%} of N per frame). "
         f"Machine: {res['machine']['cpus']} CPUs, 1-min load average at the end "
         f"{res['machine']['loadavg_1m_at_end']:.2f} (other jobs share the cores, so wall time can exceed CPU time).",
+        "",
+        ("Token-time line: {:g} + {:g}·k s per token (GMAX's batch sizing runs)".format(*res["config"]["token_time_model"])
+         if res["config"].get("token_time_model") else "No token-time line (GMAX's batch sizing does not run)."),
         "",
         "`snapshot` = CPU P50 of converting the views to columns alone (Python attribute reads), "
         "included in the frame time; the rest is the policy proper.",
@@ -164,6 +178,10 @@ def register(bench_app: typer.Typer) -> None:
         batch_size: int = typer.Option(64, "--batch-size", min=1, help="Batch size B."),
         churn: float = typer.Option(0.01, "--churn", min=0.0, max=1.0, help="Fraction of N replaced per frame."),
         seed: int = typer.Option(0, "--seed", help="Seed of the synthetic requests."),
+        token_time_model: bool = typer.Option(
+            True, "--token-time-model/--no-token-time-model",
+            help="Give frames the step-time line the plug-in gets from the SLO tracker (GMAX's batch sizing "
+                 "uses it)."),
     ) -> None:
         """Time one scheduling frame (P50/P99 ms) over N synthetic queued requests, GMAX and baselines."""
         import sys
@@ -180,7 +198,7 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(POLICY_NAMES)}")
         with Progress(transient=True) as prog:
             prog.add_task("frames", total=len(sizes) * len(names) * (repeats + 1))
-            res = run_frame_bench(sizes, names, repeats, batch_size, churn, seed, prog)
+            res = run_frame_bench(sizes, names, repeats, batch_size, churn, seed, prog, token_time_model)
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
             f"jitflow bench frame --requests {requests} --out {out}")
         write_frame_report(res, out, command)
