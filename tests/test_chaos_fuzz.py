@@ -27,6 +27,9 @@ def test_generation_lengths_are_capped_and_set_when_absent(path, field):
     c = case(path, {"model": "x", field: -3})  # out of range: sent as generated, for the validators
     steer(c, model="demo", task_id="t", cap=16)
     assert c.body[field] == -3
+    c = case(path, {"model": "x"})  # a cap below OpenAI's least max_output_tokens is raised to it there
+    steer(c, model="demo", task_id="t", cap=8)
+    assert c.body[field] == (16 if path == "/v1/responses" else 8)
 
 
 def test_task_ids_name_an_existing_task_and_other_bodies_keep_their_fields():

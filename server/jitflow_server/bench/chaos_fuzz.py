@@ -5,7 +5,9 @@ hypothesis, then sent concurrently. Three fields are steered so that bodies reac
 engine instead of the two cheapest refusals, and so that 10 000 requests finish in minutes on a CPU:
 ``model`` is the served model, a ``task_id`` path parameter names a task that exists, and a ``max_tokens``
 (``max_completion_tokens``, the Responses API's ``max_output_tokens``) between ``cap`` and 10⁶ is lowered
-to ``cap`` (one absent from a completion or response body is set to ``cap``). Values outside that range (negative, huge, wrong type) are sent as generated.
+to ``cap`` (one absent from a completion or response body is set to ``cap``; for the Responses API ``cap`` is at
+least 16, the least OpenAI's specification allows). Values outside that range (negative, huge, wrong type)
+are sent as generated.
 Operator endpoints that would change the server for the later phases (pause, resume, policy switch) are
 not fuzzed here; ``tests/test_api_fuzz.py`` fuzzes the policy switch.
 
@@ -103,9 +105,15 @@ def _collector(into: list) -> Callable[[Any], None]:
     return collect
 
 
+#: The least ``max_output_tokens`` OpenAI's specification allows; below it a Responses request is a 400.
+RESPONSES_MIN_OUTPUT_TOKENS = 16
+
+
 def steer(case, *, model: str, task_id: str, cap: int) -> None:
     """Apply the module docstring's three steerings to ``case`` in place."""
     body = case.body
+    if case.path == "/v1/responses":
+        cap = max(cap, RESPONSES_MIN_OUTPUT_TOKENS)
     if isinstance(body, dict):
         if "model" in body:
             body["model"] = model
