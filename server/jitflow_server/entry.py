@@ -1,6 +1,6 @@
 """The ``jitflow`` console script's entry point.
 
-``pip install jitflow`` installs the SDK alone (httpx, anyio, pydantic, the OpenTelemetry API,
+``pip install jitflow`` installs the SDK alone (httpx, anyio, sniffio, pydantic, the OpenTelemetry API,
 tenacity) and, with it, the ``jitflow`` script. The commands need more (``jitflow[server]``: typer,
 rich, numpy, FastAPI, the OpenTelemetry SDK, ...): this entry point checks for them before importing
 the command line and names the extra to install instead of failing with an ``ImportError`` traceback.
