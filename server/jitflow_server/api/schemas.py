@@ -66,11 +66,6 @@ def _integral(v: Any) -> Any:
 #: ``"5"`` or ``true``), but JSON Schema's ``integer`` includes ``5.0``, so that is accepted.
 Integer = Annotated[int, BeforeValidator(_integral)]
 
-#: Request models: OpenAI's schema types are enforced as written (``"5"`` is not an integer, ``1`` not a
-#: boolean), never coerced.
-STRICT = ConfigDict(strict=True)
-
-
 def null_is_default(model: type[BaseModel], v: Any, field_name: str) -> Any:
     """``v``, or the field's default when ``v`` is ``null`` (OpenAI's schema makes these fields nullable,
     with ``null`` meaning "the default")."""
@@ -154,7 +149,7 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     """OpenAI ``stream_options``."""
 
-    model_config = STRICT
+    model_config = ConfigDict(strict=True)
 
     include_usage: bool = True
 
@@ -167,7 +162,7 @@ class _Common(BaseModel):
     max_completion_tokens: Integer | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: Integer = Field(default=1, ge=1, le=1)
+    n: Integer = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
@@ -205,6 +200,13 @@ class _Common(BaseModel):
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("must be finite")
         return null_is_default(cls, v, info.field_name)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(f"n = {v}: one choice per request is served; send {v} requests instead")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -123,12 +123,14 @@ def build_policy(variant: str, st: RunSettings):
 
 
 def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings, data: DataSources,
-                analyzers: dict | None = None, refine_bounds: bool = True) -> dict:
+                analyzers: dict | None = None, refine_bounds: bool = True, keep_records: bool = False) -> dict:
     """Simulate ``jobs`` under ``variant``; returns :func:`summarize` metrics plus run info.
 
     ``analyzers`` caches :class:`CompoundAnalyzer` objects per mode across calls (building one loads
     and indexes the history). ``refine_bounds=False`` keeps each call's first length bound (as the
-    HTTP replay of the fidelity run, which cannot refine). Raises ``ValueError`` for an unknown variant.
+    HTTP replay of the fidelity run, which cannot refine). ``keep_records`` adds the raw per-job records
+    (``records``), the absolute makespan (``makespan_at``) and the frame times (``frame_ms_all``), for
+    summaries over several runs (replicas). Raises ``ValueError`` for an unknown variant.
 
     With ``st.length_bound == "predictor"`` every variant (the oracle and the ablations too) runs ``jobs``
     with held-out AlpacaEval prompts attached to the single calls, seeded by ``st.seed`` and cached, so all
@@ -182,6 +184,8 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
                sim_resumed=out["resumed"],
                kv_peak_frac=out["kv_peak_blocks"] / out["kv_capacity_blocks"],
                wall_s=out["wall_s"], p_final=getattr(pol, "p", None))
+    if keep_records:
+        res.update(records=out["jobs"], makespan_at=out["makespan"], frame_ms_all=list(out["frame_ms"]))
     if out["match_ms"]:
         import numpy as np
 

@@ -1,0 +1,98 @@
+"""Routing over replicas of different speeds: each router's choice on constructed states, and the
+simulated replicas (``jitflow bench replicas``) on a small workload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from jitflow_server.cli import app
+from jitflow_server.scheduler.routing import (
+    Backlog,
+    GoodputRouter,
+    LeastLoaded,
+    PrefixAffinity,
+    ReplicaSpeed,
+    RoundRobin,
+    RouteRequest,
+    make_router,
+)
+
+FAST, SLOW = ReplicaSpeed(200.0, 2000.0), ReplicaSpeed(100.0, 1000.0)
+
+
+def req(now: float, out: float = 100.0, slo: float | None = None, key: str | None = None) -> RouteRequest:
+    return RouteRequest(now=now, input_tokens=100, output_tokens=out, slo_s=slo, key=key)
+
+
+def test_round_robin_ignores_speed_and_least_loaded_follows_it():
+    rr, b = RoundRobin(), Backlog([FAST, SLOW])
+    assert [rr.route(req(0.0), b) for _ in range(4)] == [0, 1, 0, 1]
+    ll, b = LeastLoaded(), Backlog([FAST, SLOW])
+    picks = [ll.route(req(0.0), b) for _ in range(6)]
+    assert picks.count(0) == 4 and picks.count(1) == 2  # twice the speed, twice the work
+    assert b.work == pytest.approx([4 * 0.55, 2 * 1.1])  # (100/2000 + 100/200) s each on the fast one
+
+
+def test_backlog_drains_with_time():
+    b = Backlog([FAST])
+    b.add(0, req(0.0, out=200.0))  # 0.05 + 1.0 s
+    assert b.at(0.5) == pytest.approx([0.55]) and b.at(10.0) == [0.0]
+    assert b.at(5.0) == [0.0]  # time does not run backwards
+
+
+def test_goodput_router_does_not_make_a_pending_request_late_where_least_loaded_does():
+    def state() -> Backlog:
+        b = Backlog([FAST, SLOW])
+        b.add(0, req(0.0, out=40.0, slo=0.3))  # on the fast replica: 0.25 s of work, due at 0.3 s
+        return b
+
+    new = req(0.0, out=100.0, slo=10.0)  # 0.55 s on the fast replica, 1.1 s on the slow one
+    assert LeastLoaded().route(new, state()) == 0  # finishes first there (0.8 s against 1.1 s) ...
+    b = state()
+    assert b.harm(0, 0.55) == 40.0  # ... but pushes the pending request past its deadline
+    assert GoodputRouter().route(new, b) == 1  # on time on the slow one, and so is the pending one
+
+
+def test_a_key_stays_on_its_replica_and_prefix_affinity_spills_when_overloaded():
+    g, b = GoodputRouter(), Backlog([FAST, FAST])
+    first = g.route(req(0.0, key="task-1"), b)
+    b.add(1 - first, req(0.0, out=10.0))  # the other replica a little busier is no reason to move
+    assert g.route(req(0.1, key="task-1"), b) == first
+    pa, b = PrefixAffinity(spill_s=1.0), Backlog([FAST, FAST])
+    home = pa.route(req(0.0, key="sys-prompt"), b)
+    assert pa.route(req(0.0, key="sys-prompt"), b) == home
+    for _ in range(3):
+        b.add(home, req(0.0, out=400.0))  # 6 s of work: past the spill threshold
+    assert pa.route(req(0.0, key="sys-prompt"), b) == 1 - home
+
+
+def test_bad_routers_and_speeds_are_refused():
+    with pytest.raises(ValueError, match="unknown router"):
+        make_router("random")
+    with pytest.raises(ValueError, match="positive"):
+        ReplicaSpeed(0.0, 1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        Backlog([])
+
+
+def test_bench_replicas_routes_every_job_and_writes_its_reports(tmp_path):
+    out = tmp_path / "rep"
+    res = CliRunner().invoke(app, ["bench", "replicas", "--preset", "a100-llama8b", "--speeds", "1,0.5",
+                                   "--rps", "1.5", "--requests", "60", "--seeds", "2", "--routers",
+                                   "goodput,round-robin", "--policies", "gmax,fcfs", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "replicas.json").read_text())
+    table = data["loads"]["1.5"]["results"]
+    assert set(table) == {"gmax+goodput", "gmax+round-robin", "fcfs+goodput", "fcfs+round-robin"}
+    for r in table.values():
+        assert sum(r["jobs_per_replica"]) == 60 and r["token_goodput"] > 0
+    assert table["gmax+round-robin"]["jobs_per_replica"] == [30, 30]
+    h = data["loads"]["1.5"]["headline"]
+    assert h["token"]["best_other"] in table and h["token"]["ratio"] > 0
+    assert set(data["decision_us"]) == {"4", "16", "64"}
+    assert "GMAX + goodput router" in (out / "replicas.md").read_text() and (out / "replicas.png").exists()
+    bad = CliRunner().invoke(app, ["bench", "replicas", "--routers", "random", "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "routers" in bad.output
