@@ -81,14 +81,14 @@ UNTRACED_PATHS = "/health,/metrics"
 
 def instrument_app(app) -> None:
     """Give every HTTP request of ``app`` (a FastAPI app) its SERVER span, with the FastAPI
-    instrumentation package (``jitflow[otel]``); a warning and no HTTP spans without it."""
+    instrumentation package (``jitflow[server]``); a warning and no HTTP spans without it."""
     # the stable HTTP conventions (``http.request.method``, ``http.response.status_code``) unless the
     # operator chose otherwise; the instrumentation still defaults to the old names
     os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
     except ImportError:
-        logger.warning("no HTTP spans: install jitflow[otel] (opentelemetry-instrumentation-fastapi)")
+        logger.warning("no HTTP spans: install jitflow[server] (opentelemetry-instrumentation-fastapi)")
         return
     if not getattr(app, "_is_instrumented_by_opentelemetry", False):  # opentelemetry-instrument did it
         # no span per ASGI send/receive: a streamed answer would get one per chunk
