@@ -56,6 +56,20 @@ def test_goodput_router_does_not_make_a_pending_request_late_where_least_loaded_
     assert GoodputRouter().route(new, b) == 1  # on time on the slow one, and so is the pending one
 
 
+def test_an_urgent_request_waits_only_behind_urgent_work():
+    def state() -> Backlog:
+        b = Backlog([FAST, SLOW])
+        b.add(0, req(0.0, out=1000.0))  # 5.05 s of batch work on the fast replica
+        return b
+
+    chat = RouteRequest(now=0.0, input_tokens=100, output_tokens=100.0, slo_s=3.0, urgent=True)
+    assert LeastLoaded().route(chat, state()) == 1  # 1.1 s on the idle slow one against 5.6 s
+    b = state()
+    assert b.waits(chat) == [0.0, 0.0] and GoodputRouter().route(chat, b) == 0  # served ahead: 0.55 s
+    assert b.urgent[0] == pytest.approx(0.55) and b.at(0.3)[0] == pytest.approx(5.3)
+    assert b.urgent[0] == pytest.approx(0.25)  # the urgent part drains first
+
+
 def test_a_key_stays_on_its_replica_and_prefix_affinity_spills_when_overloaded():
     g, b = GoodputRouter(), Backlog([FAST, FAST])
     first = g.route(req(0.0, key="task-1"), b)

@@ -67,7 +67,8 @@ def route_request(job: Job, estimates: dict[str, float]) -> RouteRequest:
     else:
         slo = None
     key = job.job_id if job.kind == "compound" else None
-    return RouteRequest(now=job.arrival, input_tokens=job.total_tokens[0], output_tokens=out, slo_s=slo, key=key)
+    return RouteRequest(now=job.arrival, input_tokens=job.total_tokens[0], output_tokens=out, slo_s=slo, key=key,
+                        urgent=job.kind == "latency")
 
 
 def route_jobs(jobs: list[Job], speeds: list[ReplicaSpeed], router_name: str, seed: int = 0

@@ -7,9 +7,12 @@ that it has not finished (:class:`Backlog`, drained at the replica's speed as ti
 
 - :class:`GoodputRouter` (ours, after JITServe's power-of-K): sample K replicas (all of them by
   default, as the paper allows: "K can be set equal to M") and score the request on each by the
-  goodput it adds there: its value (estimated output tokens) if it would finish inside its SLO (its
-  backlog plus its own work at that replica's speed), minus the value of the routed requests its work
-  would push past their deadlines; the highest net goodput wins, then the earliest finish. A request
+  goodput it adds there: its value (estimated output tokens) if it would finish inside its SLO (the
+  backlog it waits behind plus its own work at that replica's speed), minus the value of the routed
+  requests its work would push past their deadlines; the highest net goodput wins, then the earliest
+  finish, then the least backlog. A latency request (``urgent``) waits only behind other latency work:
+  the replicas' SLO-aware schedulers serve it ahead of batch and compound work, so a fast replica busy
+  with long tasks is still the place for a chat request (least-loaded sends it to a slow idle one). A request
   with a task or prefix key keeps to the replica its key last went to when that costs no goodput and
   at most ``affinity_s`` of time (its stages share context, so the prefix cache there saves prefill);
 - :class:`RoundRobin`, :class:`LeastLoaded` (the earliest estimated finish, i.e. the least backlog
@@ -62,6 +65,9 @@ class RouteRequest:
     output_tokens: float
     slo_s: float | None = None
     key: str | None = None
+    #: a latency request (chat): replicas' SLO-aware schedulers serve it ahead of deadline and compound
+    #: work, so it waits only behind other urgent work
+    urgent: bool = False
 
 
 class Backlog:
@@ -75,6 +81,7 @@ class Backlog:
             raise ValueError("need at least one replica")
         self.speeds = list(speeds)
         self.work = [0.0] * len(speeds)
+        self.urgent = [0.0] * len(speeds)  # the urgent part of ``work``, drained first
         self.pending: list[list[tuple[float, float, float]]] = [[] for _ in speeds]
         self.t = 0.0
 
@@ -83,16 +90,24 @@ class Backlog:
         if now > self.t:
             dt = now - self.t
             self.work = [max(w - dt, 0.0) for w in self.work]
+            self.urgent = [min(max(u - dt, 0.0), w) for u, w in zip(self.urgent, self.work)]
             self.pending = [[e for e in p if e[0] > now] for p in self.pending]
             self.t = now
         return self.work
+
+    def waits(self, req: RouteRequest) -> list[float]:
+        """What ``req`` waits behind on each replica (s): the urgent backlog for an urgent request, all of
+        it otherwise (call :meth:`at` first)."""
+        return self.urgent if req.urgent else self.work
 
     def add(self, replica: int, req: RouteRequest) -> None:
         """Route ``req`` to ``replica``: its work joins the backlog, and it joins the pending requests if
         it has an SLO it is expected to meet."""
         w = self.speeds[replica].work_s(req.input_tokens, req.output_tokens)
-        finish = self.t + self.work[replica] + w
+        finish = self.t + self.waits(req)[replica] + w
         self.work[replica] += w
+        if req.urgent:
+            self.urgent[replica] += w
         if req.slo_s is not None and finish <= req.now + req.slo_s:
             self.pending[replica].append((finish, req.now + req.slo_s, float(req.output_tokens)))
 
@@ -191,16 +206,17 @@ class GoodputRouter:
         self._max_keys = max_keys
 
     def route(self, req: RouteRequest, backlog: Backlog) -> int:
-        waits = backlog.at(req.now)
+        backlog.at(req.now)
+        waits = backlog.waits(req)
         m = len(waits)
         cand = list(range(m)) if self.k is None or self.k >= m else self._rng.sample(range(m), self.k)
         value = float(req.output_tokens)
 
-        def score(i: int) -> tuple[float, float]:
+        def score(i: int) -> tuple[float, float, float]:
             w = backlog.speeds[i].work_s(req.input_tokens, req.output_tokens)
             finish = waits[i] + w
             gain = value if req.slo_s is None or finish <= req.slo_s else 0.0
-            return (gain - backlog.harm(i, w), -finish)
+            return (gain - backlog.harm(i, w), -finish, -backlog.work[i])
 
         scores = {i: score(i) for i in cand}
         best = max(cand, key=lambda i: (scores[i], -i))
