@@ -190,8 +190,9 @@ class GoodputRouter:
     On each candidate replica the request earns its value (estimated output tokens) if it finishes
     inside its SLO there, and costs the value of the pending requests its work would push past their
     deadlines (:meth:`Backlog.harm`); the router takes the replica with the highest net goodput, then
-    the earliest finish. Least-loaded routing ignores both: it sends a request where it finishes first
-    even when that makes others late, and spreads requests that cannot finish anywhere."""
+    the earliest finish, then the least backlog. A latency request's finish counts only the latency
+    work ahead of it (:meth:`Backlog.waits`). Least-loaded routing ignores all three: it sends a request
+    where all the routed work would let it finish first, even when that makes others late."""
 
     name = "goodput"
 
