@@ -196,7 +196,8 @@ class _Common(BaseModel):
 
     @field_validator("temperature", "top_p", "n", "stream", "ignore_eos", "min_tokens", mode="before")
     @classmethod
-    def _finite(cls, v: Any, info) -> Any:
+    def _finite_or_default(cls, v: Any, info) -> Any:
+        """A finite number (or the field's non-number), ``null`` as the field's default."""
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError("must be finite")
         return null_is_default(cls, v, info.field_name)
