@@ -104,11 +104,22 @@ def register(app: typer.Typer) -> None:
             1.0, min=0.1, max=10.0, help="Multiplies the service-time estimate of deadline admission."),
         vllm_metrics: bool = typer.Option(
             True, help="Let vLLM record its own vllm:* metrics and re-export them on /metrics."),
+        replica: list[str] = typer.Option([], "--replica", help="Serve as a router front end over this remote "
+                                          "vLLM replica (base URL, repeatable), each started with `jitflow "
+                                          "vllm-serve`; --model names the replicas' model (its tokenizer is "
+                                          "used here). docs/deployment.md."),
+        replicas_file: Optional[Path] = typer.Option(None, help="Replica URLs, one per line ('#' comments), "
+                                                     "added to --replica."),
+        router: str = typer.Option("goodput", help="With replicas: goodput | least-loaded | round-robin | "
+                                   "prefix-affinity."),
+        replica_key: Optional[str] = typer.Option(None, envvar="JITFLOW_REPLICA_KEY", help="API key the router "
+                                                  "sends to the replicas (env JITFLOW_REPLICA_KEY)."),
         analyzer_budget: float = typer.Option(
             0.05, min=0.001, max=10.0, help="The longest a compound call waits for its pattern match (s); past "
                                             "it the call gets the fallback sub-deadline and a metric counts it."),
     ) -> None:
-        """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler."""
+        """Serve the OpenAI-compatible SLO API with an embedded vLLM engine and the jitflow scheduler, or, with
+        --replica, as a router front end over remote vLLM replicas (docs/deployment.md)."""
         import os
 
         import uvicorn
@@ -155,14 +166,39 @@ def register(app: typer.Typer) -> None:
         if patterns:
             os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
         name = served_name or (model if model in VARIANTS else path.name)
+        urls = list(replica)
+        if replicas_file is not None:
+            try:
+                urls += [ln.split("#", 1)[0].strip() for ln in replicas_file.read_text().splitlines()]
+            except OSError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--replicas-file") from None
+            urls = [u for u in urls if u]
+            if not urls:
+                raise typer.BadParameter(f"{replicas_file} lists no replica URL", param_hint="--replicas-file")
+        settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
+                                  api_keys=keys, deadline_admission=deadline_admission,
+                                  admission_safety=admission_safety, analyzer_budget=analyzer_budget)
+        if urls:
+            from jitflow_server.engine.remote import RemoteEngine, RouterConfig
+            from jitflow_server.scheduler.routing import ROUTER_NAMES
+
+            if router not in ROUTER_NAMES:
+                raise typer.BadParameter(f"choose one of {list(ROUTER_NAMES)}", param_hint="--router")
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise typer.BadParameter(f"{u!r} is not an http(s) URL", param_hint="--replica")
+            typer.echo(f"jitflow: routing ({router}) over {len(urls)} replicas of {name}: {', '.join(urls)}; "
+                       f"listening on http://{host}:{port}", err=True)
+            remote = RemoteEngine(RouterConfig(replicas=urls, model=path, served_name=name, router=router,
+                                               api_key=replica_key))
+            uvicorn.run(create_app(remote, settings, owns_engine=True), host=host, port=port, log_level=log_level,
+                        timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=75)
+            return
         cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
                            batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                            dtype=dtype, scheduler=scheduler, vllm_metrics=vllm_metrics)
         what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
         typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
-        settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
-                                  api_keys=keys, deadline_admission=deadline_admission,
-                                  admission_safety=admission_safety, analyzer_budget=analyzer_budget)
         start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
         uvicorn.run(create_app(VLLMEngine(cfg), settings, owns_engine=True), host=host, port=port,
                     log_level=log_level, timeout_graceful_shutdown=drain_timeout,

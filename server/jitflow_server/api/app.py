@@ -132,6 +132,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
             if state.tasks is not None:
                 await state.tasks.close()
             if owns_engine:
+                aclose = getattr(engine, "aclose", None)  # an engine holding async connections (the router)
+                if aclose is not None:
+                    await aclose()
                 engine.shutdown()
 
     app = FastAPI(title="jitflow", version="0.1.0", lifespan=lifespan)

@@ -17,7 +17,7 @@ from jitflow_server.analyzer.advisor import resolve_len_bound
 from jitflow_server.analyzer.stage_length import StageLengthSamples
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.state import ServerState
-from jitflow_server.engine.protocol import GenerateRequest, TokenDelta
+from jitflow_server.engine.protocol import GenerateRequest, TokenDelta, UpstreamError
 from jitflow_server.scheduler.admission import AdmissionDeadline
 from jitflow_server.tracker.metrics import RequestTiming
 
@@ -144,6 +144,10 @@ class LiveCall:
         kind, out, t = ev
         if kind == "error":
             self.finished = True
+            if isinstance(out, UpstreamError):  # a replica behind the router: its own clear message
+                logger.warning("replica failure on %s: %s", self.rid, out)
+                headers = {"Retry-After": str(out.retry_after)} if out.retry_after else None
+                raise APIError(out.status, str(out), type="upstream_error", code="replica_failed", headers=headers)
             logger.error("engine failure on %s: %s", self.rid, out)
             raise APIError(500, "the engine failed while serving this request", type="engine_error")
         if kind == "end":

@@ -10,6 +10,7 @@ from jitflow_server.bench import (
     fidelity_cli,
     frame_cli,
     replicas_cli,
+    replicas_real,
     sim_cli,
     stepfit,
     tune_cli,
@@ -21,6 +22,7 @@ def register(bench_app: typer.Typer) -> None:
     chaos_cli.register(bench_app)
     frame_cli.register(bench_app)
     replicas_cli.register(bench_app)
+    replicas_real.register(bench_app)
     sim_cli.register(bench_app)
     engine_cli.register(bench_app)
     fidelity_cli.register(bench_app)

@@ -22,6 +22,18 @@ class EngineError(RuntimeError):
     """The engine failed to start, died, or failed while serving a request."""
 
 
+class UpstreamError(EngineError):
+    """A remote replica (``engine/remote.py``) could not serve the request; the message is meant for the
+    client. ``status``: the HTTP status the API answers with (502 when a replica failed after tokens were
+    streamed, 503 when no replica answers, a replica's own 4xx when it refused the request);
+    ``retry_after``: seconds to suggest in ``Retry-After`` (``None``: no header)."""
+
+    def __init__(self, message: str, status: int = 502, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
 class InvalidRequestError(ValueError):
     """The engine cannot run this request as given (e.g. bad sampling settings); ``field`` names the
     request field at fault (``None`` if unknown). The API answers it with HTTP 400."""

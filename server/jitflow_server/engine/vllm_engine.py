@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jitflow_server.engine.hf_tokens import encode_messages, encode_text
 from jitflow_server.engine.protocol import (
     EngineCall,
     EngineError,
@@ -221,18 +222,14 @@ class VLLMEngine:
         """Token ids of ``text`` (no chat template)."""
         if self.tokenizer is None:
             raise EngineError("engine not started")
-        return list(self.tokenizer(text).input_ids)
+        return encode_text(self.tokenizer, text)
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of ``messages`` (``[{"role", "content"}]``) through the model's chat template, with
         the generation prompt appended."""
         if self.tokenizer is None:
             raise EngineError("engine not started")
-        ids = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
-                                                 add_generation_prompt=True)
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_messages(self.tokenizer, messages)
 
     # ---------------------------------------------------------------------------- requests
     @staticmethod

@@ -85,6 +85,22 @@ class Backlog:
         self.pending: list[list[tuple[float, float, float]]] = [[] for _ in speeds]
         self.t = 0.0
 
+    @classmethod
+    def measured(cls, now: float, speeds: Sequence[ReplicaSpeed], work: Sequence[float], urgent: Sequence[float],
+                 pending: Sequence[Sequence[tuple[float, float, float]]]) -> Backlog:
+        """A backlog as a live front end knows it at ``now`` (unix or any clock, s), one entry per replica:
+        ``work`` the seconds of unfinished work its in-flight requests still need (``urgent`` the latency
+        part of it), ``pending`` its SLO requests expected to finish in time as ``(finish, deadline,
+        value)``. Raises ``ValueError`` when the lengths differ or ``speeds`` is empty."""
+        b = cls(speeds)
+        if not (len(work) == len(urgent) == len(pending) == len(speeds)):
+            raise ValueError("speeds, work, urgent and pending need one entry per replica")
+        b.t = now
+        b.work = [max(float(w), 0.0) for w in work]
+        b.urgent = [min(max(float(u), 0.0), w) for u, w in zip(urgent, b.work)]
+        b.pending = [list(p) for p in pending]
+        return b
+
     def at(self, now: float) -> list[float]:
         """Backlogs (s) at ``now`` (time never runs backwards here: an earlier ``now`` is ``t``)."""
         if now > self.t:

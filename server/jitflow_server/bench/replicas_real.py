@@ -1,0 +1,172 @@
+"""``jitflow bench replicas-real``: real vLLM replicas behind the router front end, against one replica.
+
+N replicas of the demo model (``jitflow vllm-serve`` with the jitflow plug-in), each held to one CPU
+core (``taskset`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``), serve the mixed workload of ``jitflow bench
+engine`` through two front ends (``jitflow serve --replica ...``): one over the first replica alone and
+one over all of them, on the same arrivals (per seed; the order of the two alternates between seeds).
+Reported per seed and as mean ± 95 % interval: token and request goodput of each, and their ratio
+(the pool over one replica). Writes ``DIR/replicas-real.json`` and ``replicas-real.md``.
+
+The front ends and the load generator are not pinned: on a machine with as many cores as replicas
+they take CPU time from the replicas, which the numbers include.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def _replica(model: str, core: str, batch_size: int, log: Path):
+    from jitflow_server.bench.server_process import ServerProcess, free_port, jitflow_command
+
+    cmd = ["taskset", "-c", core, *jitflow_command("vllm-serve", "--model", model, "--port", str(free_port()),
+                                                    "--policy", "gmax", "--batch-size", str(batch_size),
+                                                    "--max-model-len", "8192")]
+    return ServerProcess(cmd, log, {"VLLM_CPU_OMP_THREADS_BIND": core}, startup_timeout=600)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` (0.0 once it is gone)."""
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
+def _summary(per: dict[str, list[float]]) -> dict:
+    import numpy as np
+
+    from jitflow_server.bench.metrics import ci95
+
+    return {k: {"mean": float(np.mean(v)), "ci95": ci95(v), "per_seed": v} for k, v in per.items()}
+
+
+def register(bench_app: typer.Typer) -> None:
+    """Attach ``replicas-real`` to ``jitflow bench``."""
+
+    @bench_app.command("replicas-real")
+    def replicas_real(
+        out: Path = typer.Option(..., "--out", help="Output directory."),
+        cores: str = typer.Option("0,1", "--cores", help="One replica per listed CPU core."),
+        model: str = typer.Option("demo", "--model", help="demo | tiny | model directory."),
+        batch_size: int = typer.Option(16, "--batch-size", min=1, help="B of each replica."),
+        rps: float = typer.Option(1.0, "--rps", min=0.01, help="Offered load (requests/s)."),
+        duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window (s)."),
+        seeds: int = typer.Option(3, "--seeds", min=1),
+        router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
+        length_scale: float = typer.Option(0.0625, "--length-scale", min=0.001),
+        tightness: float = typer.Option(2.0, "--tightness", min=0.01, help="SLO scale (as `bench engine`)."),
+        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s."),
+        preset: str = typer.Option("cpu-demo", "--preset", help="Step model of the analyzer's time model."),
+        data: Optional[Path] = typer.Option(None, "--data", help="Trace directory (default ../shared/data)."),
+        warmup: float = typer.Option(10.0, "--warmup", min=0.0, help="Seconds of unrecorded load per front end."),
+    ) -> None:
+        """Real replicas, one CPU core each, behind the router front end: the pool against one replica."""
+        from rich.console import Console
+
+        from jitflow_server.bench.engine_cli import server_setup, workload_setup
+        from jitflow_server.bench.metrics import summarize
+        from jitflow_server.bench.real import BenchServer, EngineBenchError, run_jobs_real
+        from jitflow_server.bench.server_process import ServerStartError
+        from jitflow_server.bench.sim_cli import resolve_data
+        from jitflow_server.bench.workload import make_workload
+
+        core_list = [c.strip() for c in cores.split(",") if c.strip()]
+        if len(core_list) < 2:
+            raise typer.BadParameter("list at least two cores", param_hint="--cores")
+        con = Console()
+        data_dir = resolve_data(data)
+        pm, ds, _ = workload_setup(preset, data_dir, duration, rps, 0, length_scale, tightness, out)
+        reps = [_replica(model, c, batch_size, out / f"replica-{c}.log") for c in core_list]
+        runs: dict[str, list[dict]] = {"one": [], "pool": []}
+        fronts: dict[str, BenchServer] = {}
+        try:
+            for r in reps:
+                r.start()
+            for r, c in zip(reps, core_list):
+                waited = r.wait_healthy()
+                con.print(f"replica on core {c}: {r.base_url} ({waited:.0f} s)")
+            for name, members in (("one", reps[:1]), ("pool", reps)):
+                sub = out / name
+                sub.mkdir(parents=True, exist_ok=True)
+                args, env = server_setup(sub, ds, pm, batch_size, length_scale)
+                urls = [a for r in members for a in ("--replica", r.base_url)]
+                fronts[name] = BenchServer(model, "gmax", batch_size, None, [*args, *urls, "--router", router],
+                                           log_path=sub / "front.log", env=env).__enter__()
+            if warmup > 0:
+                warm = make_workload(max(1, int(round(warmup * rps))), rps, data=ds, seed=1000,
+                                     length_scale=length_scale, max_context=8000, tightness=tightness)
+                for srv in fronts.values():
+                    run_jobs_real(srv.base_url, srv.model_name, warm, waiting_time or None, 1000)
+                    srv.wait_idle()
+            for seed in range(seeds):
+                jobs = make_workload(max(1, int(round(duration * rps))), rps, data=ds, seed=seed,
+                                     length_scale=length_scale, max_context=8000, tightness=tightness)
+                span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
+                order = ["one", "pool"] if seed % 2 == 0 else ["pool", "one"]
+                for name in order:
+                    srv = fronts[name]
+                    t0, front0, load0 = time.time(), _cpu_s(srv.proc.pid), time.process_time()
+                    res = run_jobs_real(srv.base_url, srv.model_name, jobs, waiting_time or None, seed)
+                    st = srv.wait_idle()
+                    m = summarize(res["jobs"], span, res["makespan"])
+                    # the CPU the unpinned front end and load generator took from the replicas' cores
+                    m["front_end_cpu_s"] = _cpu_s(srv.proc.pid) - front0
+                    m["load_generator_cpu_s"] = time.process_time() - load0
+                    m["routed"] = [r["routed"] for r in st.get("replicas", [])]
+                    m["rerouted"], m["wall_s"] = st.get("rerouted"), time.time() - t0
+                    m["decision_us"] = st.get("decision_us")  # the router's decision time (the last 2 000)
+                    runs[name].append(m)
+                    con.print(f"seed {seed} {name}: token goodput {m['token_goodput']:.1f} tok/s, request goodput "
+                              f"{m['request_goodput']:.3f} req/s, attainment {m['slo_attainment']:.2f}, "
+                              f"routed {m['routed']}, CPU s front end {m['front_end_cpu_s']:.0f}, load "
+                              f"generator {m['load_generator_cpu_s']:.0f} of {m['wall_s']:.0f} s")
+        except (EngineBenchError, ServerStartError) as exc:
+            con.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+        finally:
+            for srv in fronts.values():
+                srv.stop()
+            for r in reps:
+                r.stop()
+        ratio = {k: [p[k] / o[k] if o[k] else float("nan") for p, o in zip(runs["pool"], runs["one"])]
+                 for k in ("token_goodput", "request_goodput", "throughput")}
+        res = {"config": {"model": model, "cores": core_list, "batch_size": batch_size, "rps": rps,
+                          "duration": duration, "seeds": seeds, "router": router, "length_scale": length_scale,
+                          "tightness": tightness, "waiting_time": waiting_time, "data": ds.origin,
+                          "command": " ".join(["jitflow", "bench", "replicas-real", *sys.argv[3:]])},
+               "one": runs["one"], "pool": runs["pool"], "pool_over_one": _summary(ratio)}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "replicas-real.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "replicas-real.md").write_text(_markdown(res))
+        con.print(_markdown(res))
+
+
+def _markdown(res: dict) -> str:
+    c = res["config"]
+    lines = [f"# {len(c['cores'])} real replicas (one core each) behind the router vs one replica",
+             "", f"`{c['command']}`", "",
+             f"Model {c['model']}, B={c['batch_size']}, {c['rps']:g} req/s for {c['duration']:g} s, router "
+             f"{c['router']}, seeds 0–{c['seeds'] - 1}.", "",
+             "| seed | one: token goodput | pool: token goodput | one: request goodput | pool: request goodput "
+             "| pool routed per replica | CPU s of front end + load generator (one; pool) |",
+             "|---:|---:|---:|---:|---:|---|---|"]
+    for s, (o, p) in enumerate(zip(res["one"], res["pool"])):
+        cpu = "; ".join(f"{r.get('front_end_cpu_s', 0) + r.get('load_generator_cpu_s', 0):.0f} of {r['wall_s']:.0f}"
+                        for r in (o, p))
+        lines.append(f"| {s} | {o['token_goodput']:.1f} | {p['token_goodput']:.1f} | {o['request_goodput']:.3f} "
+                     f"| {p['request_goodput']:.3f} | {p['routed']} | {cpu} |")
+    lines += ["", "| pool / one | mean | 95 % interval |", "|---|---:|---:|"]
+    for k, v in res["pool_over_one"].items():
+        ci = f"± {v['ci95']:.2f}" if v["ci95"] is not None else "—"
+        lines.append(f"| {k} | {v['mean']:.2f} | {ci} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,134 @@
+"""The router front end (`jitflow serve --replica URL ...`) over two real vLLM replicas (`jitflow vllm-serve`
+with the jitflow plug-in, tiny model, 127.0.0.1): routing follows the replicas' measured speed, a killed
+replica loses no queued request, a request it was streaming fails with a clear 502, and a replica that
+comes back is used again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import free_port, jitflow_exe, running_server
+from jitflow_server.bench.server_process import ServerProcess
+
+pytestmark = pytest.mark.engine
+
+FAST_B, SLOW_B = 8, 2
+
+
+def _replica(port: int, batch: int, log, model: str = "tiny") -> ServerProcess:
+    """A replica serving the model id ``tiny``: the slow one runs the demo model (same tokenizer, 50 times the
+    parameters), so its speed differs by the engine's work, not by HTTP overheads."""
+    cmd = [jitflow_exe(), "vllm-serve", "--model", model, "--port", str(port), "--policy", "gmax",
+           "--batch-size", str(batch), "--max-model-len", "4096", "--served-model-name", "tiny"]
+    return ServerProcess(cmd, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout=420)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """``{"fast": ServerProcess, "slow": ServerProcess, "dir": Path}``; a test may replace ``slow``."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    reps = {"fast": _replica(free_port(), FAST_B, tmp / "fast.log"),
+            "slow": _replica(free_port(), SLOW_B, tmp / "slow.log", "demo"), "dir": tmp}
+    try:
+        for k in ("fast", "slow"):
+            reps[k].start()  # both load at once
+        for k in ("fast", "slow"):
+            reps[k].wait_healthy()
+        yield reps
+    finally:
+        for k in ("fast", "slow"):
+            reps[k].stop()
+
+
+def _router(reps, router: str, log):
+    cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--router", router,
+           "--replica", reps["fast"].base_url, "--replica", reps["slow"].base_url, "--no-length-predictor"]
+    return running_server(cmd, log, dict(os.environ, JITFLOW_HISTORY_DB=str(log.parent / f"{router}.sqlite")),
+                          timeout=120)
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(url + "/v1/jitflow/engine", timeout=30).json()
+
+
+def _chat(url: str, i: int, tokens: int) -> tuple[int, dict]:
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": "tiny", "messages": [{"role": "user", "content": f"story number {i}"}], "max_tokens": tokens,
+        "ignore_eos": True})
+    return r.status_code, r.json()
+
+
+def _burst(url: str, n: int, tokens: int) -> list[tuple[int, dict]]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: _chat(url, i, tokens), range(n)))
+
+
+def test_routing_follows_the_measured_speed(replicas):
+    with _router(replicas, "goodput", replicas["dir"] / "goodput.log") as (url, _):
+        first = _burst(url, 16, 64)  # both replicas get work (equal prior speeds) and are measured
+        assert [s for s, _ in first] == [200] * 16, [b for s, b in first if s != 200][:2]
+        t0 = time.time()
+        while not all(r["measured"] for r in _stats(url)["replicas"]) and time.time() - t0 < 30:
+            time.sleep(0.5)
+        before = _stats(url)["replicas"]
+        fast, slow = before
+        assert fast["measured"] and slow["measured"], before
+        assert fast["output_tok_s"] > 2 * slow["output_tok_s"], before
+        second = _burst(url, 24, 64)
+        assert [s for s, _ in second] == [200] * 24
+        assert all(b["usage"]["completion_tokens"] == 64 for _, b in second)
+        after = _stats(url)
+        to_fast = after["replicas"][0]["routed"] - fast["routed"]
+        to_slow = after["replicas"][1]["routed"] - slow["routed"]
+        assert to_fast + to_slow == 24
+        assert to_fast >= 2 * to_slow, after["replicas"]
+        assert after["decision_us"]["p99"] < 5000  # a routing decision is microseconds, not a round trip
+
+
+def test_a_killed_replica_loses_no_queued_request_and_is_used_again_when_back(replicas):
+    with _router(replicas, "round-robin", replicas["dir"] / "rr.log") as (url, _):
+        slow = replicas["slow"]
+        n, tokens = 12, 300
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(_chat, url, i, tokens) for i in range(n)]  # round robin: half on the slow one
+            t0 = time.time()
+            while time.time() - t0 < 120:  # wait until the slow replica streams one request and holds more
+                st = _stats(url)["replicas"][1]
+                if st["streamed_tokens"] > 0 and st["in_flight"] >= 3:
+                    break
+                time.sleep(0.05)
+            assert st["in_flight"] >= 3, st
+            os.killpg(slow.proc.pid, signal.SIGKILL)  # the replica, its engine core and worker, at once
+            results = [f.result(timeout=300) for f in futures]
+        slow.stop()
+        stats = _stats(url)
+        ok = [b for s, b in results if s == 200]
+        failed = [(s, b) for s, b in results if s != 200]
+        assert len(ok) + len(failed) == n  # every request answered
+        assert all(b["usage"]["completion_tokens"] == tokens for b in ok)
+        # only the requests the slow replica had started (at most its 2·B running sequences) fail, each with
+        # a 502 that names the replica; the ones it held but had not started were sent elsewhere and served
+        assert all(s == 502 and slow.base_url in b["error"]["message"] and "failed after" in b["error"]["message"]
+                   for s, b in failed), failed
+        assert 1 <= len(failed) <= 2 * SLOW_B, failed
+        assert stats["failed_streaming"] == len(failed)
+        assert len(failed) + stats["rerouted"] >= st["in_flight"]  # each request it held: failed or re-routed
+        assert stats["replicas"][1]["up"] is False
+
+        # the replica comes back on the same address: the router finds it and routes to it again
+        back = _replica(slow.port, SLOW_B, replicas["dir"] / "slow-again.log", "demo")
+        replicas["slow"] = back
+        back.start()
+        back.wait_healthy()
+        t0 = time.time()
+        while not _stats(url)["replicas"][1]["up"] and time.time() - t0 < 30:
+            time.sleep(0.5)
+        routed = _stats(url)["replicas"][1]["routed"]
+        assert [s for s, _ in _burst(url, 4, 16)] == [200] * 4
+        assert _stats(url)["replicas"][1]["routed"] >= routed + 2
