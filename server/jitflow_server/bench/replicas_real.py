@@ -14,6 +14,7 @@ they take CPU time from the replicas, which the numbers include.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,8 @@ def register(bench_app: typer.Typer) -> None:
         if len(core_list) < 2:
             raise typer.BadParameter("list at least two cores", param_hint="--cores")
         con = Console()
+        # SIGTERM (timeout, kill, CI) unwinds through the finally below: no replica or front end outlives the run
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         data_dir = resolve_data(data)
         pm, ds, _ = workload_setup(preset, data_dir, duration, rps, 0, length_scale, tightness, out)
         reps = [_replica(model, c, batch_size, out / f"replica-{c}.log") for c in core_list]
@@ -115,6 +118,7 @@ def register(bench_app: typer.Typer) -> None:
                 order = ["one", "pool"] if seed % 2 == 0 else ["pool", "one"]
                 for name in order:
                     srv = fronts[name]
+                    st0 = srv.stats()
                     t0, front0, load0 = time.time(), _cpu_s(srv.proc.pid), time.process_time()
                     res = run_jobs_real(srv.base_url, srv.model_name, jobs, waiting_time or None, seed)
                     st = srv.wait_idle()
@@ -122,8 +126,8 @@ def register(bench_app: typer.Typer) -> None:
                     # the CPU the unpinned front end and load generator took from the replicas' cores
                     m["front_end_cpu_s"] = _cpu_s(srv.proc.pid) - front0
                     m["load_generator_cpu_s"] = time.process_time() - load0
-                    m["routed"] = [r["routed"] for r in st.get("replicas", [])]
-                    m["rerouted"], m["wall_s"] = st.get("rerouted"), time.time() - t0
+                    m["routed"] = [r["routed"] - r0["routed"] for r, r0 in zip(st["replicas"], st0["replicas"])]
+                    m["rerouted"], m["wall_s"] = st["rerouted"] - st0["rerouted"], time.time() - t0
                     m["decision_us"] = st.get("decision_us")  # the router's decision time (the last 2 000)
                     runs[name].append(m)
                     con.print(f"seed {seed} {name}: token goodput {m['token_goodput']:.1f} tok/s, request goodput "

@@ -35,8 +35,7 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -52,7 +51,8 @@ from jitflow_server.engine.protocol import (
     UpstreamError,
 )
 from jitflow_server.engine.replica_probe import ReplicaProbe
-from jitflow_server.scheduler.hints import HintUpdate, SchedHints
+from jitflow_server.engine.router_state import Flight, RouterConfig, RouterCounts, slo_deadline
+from jitflow_server.scheduler.hints import HintUpdate
 from jitflow_server.scheduler.routing import Backlog, ReplicaSpeed, RouteRequest, make_router
 from jitflow_server.scheduler.types import Kind
 
@@ -64,56 +64,6 @@ PREFIX_KEY_TOKENS = 128
 #: the first requests spread by load and every replica is measured.
 PRIOR_SPEED = ReplicaSpeed(output_tok_s=100.0, prefill_tok_s=1000.0)
 _DOWN_WORK_S = 1e9  # the backlog given to a down replica: no router picks it while another is up
-
-
-@dataclass
-class RouterConfig:
-    """The router front end: ``replicas`` base URLs; ``model`` the directory with the replicas' tokenizer
-    (the demo variants are built locally); ``served_name`` the model id the replicas serve; ``router``
-    a name of ``scheduler.routing.ROUTER_NAMES``; ``probe_period``/``probe_timeout`` the health probe
-    (s); ``reroute_wait`` how long a request waits for any replica to be up (s); ``startup_timeout``
-    how long :meth:`RemoteEngine.start` waits for the first replica (s); ``api_key`` sent to the
-    replicas as a bearer token."""
-
-    replicas: Sequence[str]
-    model: Path
-    served_name: str
-    router: str = "goodput"
-    probe_period: float = 1.0
-    probe_timeout: float = 2.0
-    reroute_wait: float = 30.0
-    startup_timeout: float = 300.0
-    api_key: str | None = None
-    seed: int = 0
-
-
-@dataclass
-class _Flight:
-    """One request in flight at the front end (the event loop's own bookkeeping)."""
-
-    rid: str
-    prompt_tokens: int
-    est_output: float
-    urgent: bool
-    deadline: float | None  # unix s by which it must finish to count; None: best effort
-    replica: int = -1
-    generated: int = 0
-    aborted: bool = False
-    queue: asyncio.Queue | None = None
-    attempts: list[int] = field(default_factory=list)
-
-
-def _slo_deadline(h: SchedHints, est_output: float, now: float) -> float | None:
-    """Unix s by which a request must finish to meet its SLO (``None``: best effort)."""
-    arrival = h.arrival if h.arrival is not None else now
-    if h.kind is Kind.DEADLINE and h.deadline is not None:
-        return arrival + h.deadline
-    if h.kind is Kind.COMPOUND:
-        rel = h.sub_deadline if h.sub_deadline is not None else h.deadline
-        return None if rel is None else arrival + rel
-    if h.kind is Kind.LATENCY and h.ttft is not None and h.tbt is not None:
-        return arrival + h.ttft + max(est_output - 1, 0) * h.tbt
-    return None
 
 
 class RemoteEngine:
@@ -132,13 +82,12 @@ class RemoteEngine:
         self.replicas = [ReplicaProbe(u, timeout=config.probe_timeout, period=config.probe_period,
                                      headers=self._headers) for u in config.replicas]
         self.router = make_router(config.router, seed=config.seed)
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Flight] = {}
         self._client: httpx.AsyncClient | None = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         self._paused = False
-        self.counts = {"routed": [0] * len(self.replicas), "rerouted": 0, "failed_streaming": 0,
-                       "no_replica": 0, "hint_updates_dropped": 0}
+        self.counts = RouterCounts(routed=[0] * len(self.replicas))
         self._decisions_us: deque[float] = deque(maxlen=2000)  # routing decision times (µs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -245,7 +194,7 @@ class RemoteEngine:
                 work[i] = urgent[i] = _DOWN_WORK_S
         return Backlog.measured(now, speeds, work, urgent, pending)
 
-    def _route(self, req: GenerateRequest, f: _Flight) -> int:
+    def _route(self, req: GenerateRequest, f: Flight) -> int:
         """The replica for ``f`` now (one that is up); -1 when none is."""
         up = [i for i, r in enumerate(self.replicas) if r.up]
         if not up:
@@ -298,8 +247,8 @@ class RemoteEngine:
         h = req.hints
         now = time.time()
         est = float(min(h.len_bound or req.max_tokens, req.max_tokens))
-        f = _Flight(req.request_id, len(req.prompt_token_ids), est, h.kind is Kind.LATENCY,
-                    _slo_deadline(h, est, now))
+        f = Flight(req.request_id, len(req.prompt_token_ids), est, h.kind is Kind.LATENCY,
+                    slo_deadline(h, est, now))
         self._flights[f.rid] = f
         try:
             while True:
@@ -316,7 +265,7 @@ class RemoteEngine:
         finally:
             self._flights.pop(f.rid, None)
 
-    async def _wait_for_replica(self, req: GenerateRequest, f: _Flight) -> int:
+    async def _wait_for_replica(self, req: GenerateRequest, f: Flight) -> int:
         """A replica for the next attempt; -1 if the request was aborted meanwhile. Raises
         :class:`UpstreamError` (503) when none is up for ``reroute_wait`` s or attempts run out."""
         limit = time.monotonic() + self.config.reroute_wait
@@ -328,16 +277,16 @@ class RemoteEngine:
                                     + "; ".join(r.describe() for r in self.replicas), status=503, retry_after=5)
             i = -1 if self._paused else self._route(req, f)
             if i >= 0:
-                f.replica, self.counts["routed"][i] = i, self.counts["routed"][i] + 1
+                f.replica, self.counts.routed[i] = i, self.counts.routed[i] + 1
                 f.attempts.append(i)
                 return i
             if time.monotonic() > limit:
-                self.counts["no_replica"] += 1
+                self.counts.no_replica += 1
                 raise UpstreamError(f"no replica answered for {self.config.reroute_wait:g} s: "
                                     + "; ".join(r.describe() for r in self.replicas), status=503, retry_after=5)
             await asyncio.sleep(min(0.2, self.config.probe_period))
 
-    async def _attempt(self, i: int, req: GenerateRequest, f: _Flight) -> AsyncIterator[TokenDelta]:
+    async def _attempt(self, i: int, req: GenerateRequest, f: Flight) -> AsyncIterator[TokenDelta]:
         """Stream ``req`` from replica ``i``. Ends without a finished delta when the request must be
         routed again (the replica went down before its first token)."""
         replica = self.replicas[i]
@@ -357,7 +306,7 @@ class RemoteEngine:
                     if replica.up:
                         continue
                     if f.generated == 0:  # it stopped answering before our first token
-                        self.counts["rerouted"] += 1
+                        self.counts.rerouted += 1
                         logger.warning("router: re-routing %s away from %s", f.rid, replica.describe())
                         return
                     kind, payload = "fail", f"the replica stopped answering: {replica.last_error}"
@@ -376,7 +325,7 @@ class RemoteEngine:
                         if code >= 500:
                             replica.mark_down(f"HTTP {code}")
                         if f.generated == 0:
-                            self.counts["rerouted"] += 1
+                            self.counts.rerouted += 1
                             return
                     raise UpstreamError(f"replica {replica.url} refused the request (HTTP {code}): {text[:500]}",
                                         status=400 if 400 <= code < 500 else 502)
@@ -384,11 +333,11 @@ class RemoteEngine:
                     if kind == "fail" and isinstance(payload, httpx.TransportError):
                         replica.mark_down(f"{type(payload).__name__}: {payload}")
                     if f.generated == 0:
-                        self.counts["rerouted"] += 1
+                        self.counts.rerouted += 1
                         logger.warning("router: re-routing %s: replica %s failed before its first token (%s)",
                                        f.rid, replica.url, payload or "stream ended")
                         return
-                    self.counts["failed_streaming"] += 1
+                    self.counts.failed_streaming += 1
                     raise UpstreamError(f"replica {replica.url} failed after {f.generated} tokens of this request "
                                         f"had been streamed ({payload or 'stream ended'}); the request was not "
                                         "retried because its output so far was already sent", status=502)
@@ -445,7 +394,7 @@ class RemoteEngine:
         return out
 
     async def update_hints(self, update: HintUpdate) -> None:  # dropped (counted): replicas keep arrival hints
-        self.counts["hint_updates_dropped"] += 1
+        self.counts.hint_updates_dropped += 1
 
     async def set_policy(self, spec: PolicySpec) -> dict[str, Any]:
         """Not possible here: raises ``ValueError`` (each replica's policy is set where it starts)."""
@@ -462,13 +411,12 @@ class RemoteEngine:
             "waiting": sum(r.waiting for r in self.replicas if r.up),
             "running": sum(r.running for r in self.replicas if r.up),
             "unfinished": len(self._flights), "service": None,
-            "rerouted": self.counts["rerouted"], "failed_streaming": self.counts["failed_streaming"],
-            "no_replica": self.counts["no_replica"], "hint_updates_dropped": self.counts["hint_updates_dropped"],
+            **{k: v for k, v in asdict(self.counts).items() if k != "routed"},
             "decision_us": {"n": len(d), "p50": d[len(d) // 2] if d else None,
                             "p99": d[min(len(d) - 1, int(0.99 * len(d)))] if d else None},
             "replicas": [{
                 "url": r.url, "up": r.up, "last_error": r.last_error, "last_seen": r.last_seen,
-                "running": r.running, "waiting": r.waiting, "routed": self.counts["routed"][i],
+                "running": r.running, "waiting": r.waiting, "routed": self.counts.routed[i],
                 "in_flight": r.in_flight, "streamed_tokens": r.streamed,
                 "output_tok_s": speeds[i].output_tok_s, "prefill_tok_s": speeds[i].prefill_tok_s,
                 "measured": r.speed.output_tok_s is not None,

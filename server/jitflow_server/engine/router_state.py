@@ -1,0 +1,79 @@
+"""The router front end's plain state (``engine/remote.py``): its configuration, its counters, one
+in-flight request, and the time by which a request must finish to count."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jitflow_server.scheduler.hints import SchedHints
+from jitflow_server.scheduler.types import Kind
+
+
+@dataclass
+class RouterConfig:
+    """The router front end: ``replicas`` base URLs; ``model`` the directory with the replicas' tokenizer
+    (the demo variants are built locally); ``served_name`` the model id the replicas serve; ``router``
+    a name of ``scheduler.routing.ROUTER_NAMES``; ``probe_period``/``probe_timeout`` the health probe
+    (s); ``reroute_wait`` how long a request waits for any replica to be up (s); ``startup_timeout``
+    how long :meth:`RemoteEngine.start` waits for the first replica (s); ``api_key`` sent to the
+    replicas as a bearer token."""
+
+    replicas: Sequence[str]
+    model: Path
+    served_name: str
+    router: str = "goodput"
+    probe_period: float = 1.0
+    probe_timeout: float = 2.0
+    reroute_wait: float = 30.0
+    startup_timeout: float = 300.0
+    api_key: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class Flight:
+    """One call in flight at the front end (the event loop's own bookkeeping): ``rid`` its id,
+    ``prompt_tokens`` and ``est_output`` (tokens: the length bound, capped by ``max_tokens``), ``urgent``
+    for a latency request, ``deadline`` (unix s), the ``replica`` it is on (-1: none yet), the tokens
+    ``generated`` so far, the ``queue`` of its current attempt, and the replicas of its ``attempts``."""
+
+    rid: str
+    prompt_tokens: int
+    est_output: float
+    urgent: bool
+    deadline: float | None  # unix s by which it must finish to count; None: best effort
+    replica: int = -1
+    generated: int = 0
+    aborted: bool = False
+    queue: asyncio.Queue | None = None
+    attempts: list[int] = field(default_factory=list)
+
+
+def slo_deadline(h: SchedHints, est_output: float, now: float) -> float | None:
+    """Unix s by which a request must finish to meet its SLO (``None``: best effort)."""
+    arrival = h.arrival if h.arrival is not None else now
+    if h.kind is Kind.DEADLINE and h.deadline is not None:
+        return arrival + h.deadline
+    if h.kind is Kind.COMPOUND:
+        rel = h.sub_deadline if h.sub_deadline is not None else h.deadline
+        return None if rel is None else arrival + rel
+    if h.kind is Kind.LATENCY and h.ttft is not None and h.tbt is not None:
+        return arrival + h.ttft + max(est_output - 1, 0) * h.tbt
+    return None
+
+
+@dataclass
+class RouterCounts:
+    """What the router did since it started: calls ``routed`` to each replica (an attempt each),
+    ``rerouted`` attempts that ended before a first token and were sent again, ``failed_streaming``
+    calls failed after tokens were streamed (502), ``no_replica`` calls that found no replica up (503),
+    ``hint_updates_dropped`` refined bounds not forwarded."""
+
+    routed: list[int]
+    rerouted: int = 0
+    failed_streaming: int = 0
+    no_replica: int = 0
+    hint_updates_dropped: int = 0
