@@ -43,6 +43,34 @@ def _cpu_s(pid: int) -> float:
         return 0.0
 
 
+def burst_tok_s(urls: list[str], n: int, tokens: int) -> list[float]:
+    """Output tokens/s of each replica in ``urls`` while all of them serve, at once, ``n`` requests of exactly
+    ``tokens`` output tokens each, sent straight to the replicas (no front end): the engines' own capacity,
+    alone (one URL) or side by side (all of them). Raises ``httpx.HTTPError`` on a failed request."""
+    import asyncio
+
+    import httpx
+
+    async def one_replica(client: httpx.AsyncClient, url: str) -> float:
+        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+
+        async def call(i: int) -> None:
+            r = await client.post(url + "/v1/completions", json={
+                "model": model, "prompt": [10 + (i + k) % 500 for k in range(64)], "max_tokens": tokens,
+                "ignore_eos": True, "temperature": 0})
+            r.raise_for_status()
+
+        await asyncio.gather(*(call(i) for i in range(n)))
+        return n * tokens / (time.perf_counter() - t0)
+
+    async def run() -> list[float]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return list(await asyncio.gather(*(one_replica(client, u) for u in urls)))
+
+    return asyncio.run(run())
+
+
 def _summary(per: dict[str, list[float]]) -> dict:
     import numpy as np
 
@@ -72,6 +100,7 @@ def register(bench_app: typer.Typer) -> None:
         warmup: float = typer.Option(10.0, "--warmup", min=0.0, help="Seconds of unrecorded load per front end."),
     ) -> None:
         """Real replicas, one CPU core each, behind the router front end: the pool against one replica."""
+        import httpx
         from rich.console import Console
 
         from jitflow_server.bench.engine_cli import server_setup, workload_setup
@@ -91,6 +120,7 @@ def register(bench_app: typer.Typer) -> None:
         pm, ds, _ = workload_setup(preset, data_dir, duration, rps, 0, length_scale, tightness, out)
         reps = [_replica(model, c, batch_size, out / f"replica-{c}.log") for c in core_list]
         runs: dict[str, list[dict]] = {"one": [], "pool": []}
+        engines: dict[str, list[float]] = {}
         fronts: dict[str, BenchServer] = {}
         try:
             for r in reps:
@@ -98,6 +128,14 @@ def register(bench_app: typer.Typer) -> None:
             for r, c in zip(reps, core_list):
                 waited = r.wait_healthy()
                 con.print(f"replica on core {c}: {r.base_url} ({waited:.0f} s)")
+            # the engines' capacity without any front end: each replica alone, then all side by side
+            urls_all = [r.base_url for r in reps]
+            burst_tok_s(urls_all, batch_size, 32)  # warm-up
+            engines = {"alone_tok_s": [burst_tok_s([u], batch_size, 256)[0] for u in urls_all],
+                       "together_tok_s": burst_tok_s(urls_all, batch_size, 256)}
+            con.print(f"engine output tok/s, {batch_size} requests × 256 tokens: alone "
+                      f"{[round(x) for x in engines['alone_tok_s']]}, side by side "
+                      f"{[round(x) for x in engines['together_tok_s']]}")
             for name, members in (("one", reps[:1]), ("pool", reps)):
                 sub = out / name
                 sub.mkdir(parents=True, exist_ok=True)
@@ -134,7 +172,7 @@ def register(bench_app: typer.Typer) -> None:
                               f"{m['request_goodput']:.3f} req/s, attainment {m['slo_attainment']:.2f}, "
                               f"routed {m['routed']}, CPU s front end {m['front_end_cpu_s']:.0f}, load "
                               f"generator {m['load_generator_cpu_s']:.0f} of {m['wall_s']:.0f} s")
-        except (EngineBenchError, ServerStartError) as exc:
+        except (EngineBenchError, ServerStartError, httpx.HTTPError) as exc:
             con.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(1) from None
         finally:
@@ -148,7 +186,7 @@ def register(bench_app: typer.Typer) -> None:
                           "duration": duration, "seeds": seeds, "router": router, "length_scale": length_scale,
                           "tightness": tightness, "waiting_time": waiting_time, "data": ds.origin,
                           "command": " ".join(["jitflow", "bench", "replicas-real", *sys.argv[3:]])},
-               "one": runs["one"], "pool": runs["pool"], "pool_over_one": _summary(ratio)}
+               "engines": engines, "one": runs["one"], "pool": runs["pool"], "pool_over_one": _summary(ratio)}
         out.mkdir(parents=True, exist_ok=True)
         (out / "replicas-real.json").write_text(json.dumps(res, indent=1, default=str))
         (out / "replicas-real.md").write_text(_markdown(res))
@@ -161,6 +199,9 @@ def _markdown(res: dict) -> str:
              "", f"`{c['command']}`", "",
              f"Model {c['model']}, B={c['batch_size']}, {c['rps']:g} req/s for {c['duration']:g} s, router "
              f"{c['router']}, seeds 0–{c['seeds'] - 1}.", "",
+             f"Engines alone (output tok/s, B requests × 256 tokens, no front end): "
+             f"{[round(x) for x in res['engines'].get('alone_tok_s', [])]}; side by side: "
+             f"{[round(x) for x in res['engines'].get('together_tok_s', [])]}.", "",
              "| seed | one: token goodput | pool: token goodput | one: request goodput | pool: request goodput "
              "| pool routed per replica | CPU s of front end + load generator (one; pool) |",
              "|---:|---:|---:|---:|---:|---|---|"]
