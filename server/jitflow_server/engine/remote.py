@@ -208,9 +208,11 @@ class RemoteEngine:
                if len(req.prompt_token_ids) >= PREFIX_KEY_TOKENS else None)
         rr = RouteRequest(now=now, input_tokens=f.prompt_tokens, output_tokens=f.est_output,
                           slo_s=None if f.deadline is None else f.deadline - now, key=key, urgent=f.urgent)
-        i = self.router.route(rr, self._backlog(now, speeds))
+        backlog = self._backlog(now, speeds)
+        work = list(backlog.work)  # before the router adds this request to it
+        i = self.router.route(rr, backlog)
         if i not in up:  # a router blind to health (round-robin) picked a down replica
-            i = min(up, key=lambda j: (self._backlog(now, speeds).work[j], j))
+            i = min(up, key=lambda j: (work[j], j))
         self._decisions_us.append((time.perf_counter() - t0) * 1e6)
         return i
 
