@@ -189,18 +189,17 @@ def register(app: typer.Typer) -> None:
                     raise typer.BadParameter(f"{u!r} is not an http(s) URL", param_hint="--replica")
             typer.echo(f"jitflow: routing ({router}) over {len(urls)} replicas of {name}: {', '.join(urls)}; "
                        f"listening on http://{host}:{port}", err=True)
-            remote = RemoteEngine(RouterConfig(replicas=urls, model=path, served_name=name, router=router,
-                                               api_key=replica_key))
-            uvicorn.run(create_app(remote, settings, owns_engine=True), host=host, port=port, log_level=log_level,
-                        timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=75)
-            return
-        cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
-                           batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                           dtype=dtype, scheduler=scheduler, vllm_metrics=vllm_metrics)
-        what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
-        typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
-        start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
-        uvicorn.run(create_app(VLLMEngine(cfg), settings, owns_engine=True), host=host, port=port,
+            served_engine = RemoteEngine(RouterConfig(replicas=urls, model=path, served_name=name,
+                                                      router=router, api_key=replica_key))
+        else:
+            cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
+                               batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                               dtype=dtype, scheduler=scheduler, vllm_metrics=vllm_metrics)
+            what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
+            typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
+            start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
+            served_engine = VLLMEngine(cfg)
+        uvicorn.run(create_app(served_engine, settings, owns_engine=True), host=host, port=port,
                     log_level=log_level, timeout_graceful_shutdown=drain_timeout,
                     # longer than clients keep idle connections (httpx: 5 s), so a client never sends a
                     # request on a connection the server is closing (uvicorn's default is also 5 s: a

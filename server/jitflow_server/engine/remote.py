@@ -33,7 +33,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from httpx_sse import aconnect_sse
 
-from jitflow_server.engine.hf_tokens import encode_messages, encode_text
+from jitflow_server.engine.hf_tokens import HFTokenizerMixin
 from jitflow_server.engine.protocol import (
     EngineError,
     GenerateRequest,
@@ -66,10 +66,11 @@ PRIOR_SPEED = ReplicaSpeed(output_tok_s=100.0, prefill_tok_s=1000.0)
 _DOWN_WORK_S = 1e9  # the backlog given to a down replica: no router picks it while another is up
 
 
-class RemoteEngine:
+class RemoteEngine(HFTokenizerMixin):
     """The router front end (module docstring). Implements the ``Engine`` protocol; times unix s."""
 
     dtype: str | None = None
+    not_started_message = "router not started"
 
     def __init__(self, config: RouterConfig) -> None:
         if not config.replicas:
@@ -146,26 +147,6 @@ class RemoteEngine:
     def alive(self) -> bool:
         """True while at least one replica is up."""
         return self.tokenizer is not None and any(r.up for r in self.replicas)
-
-    # ------------------------------------------------------------------ tokenizer
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the tokenizer knows."""
-        if self.tokenizer is None:
-            raise EngineError("router not started")
-        return len(self.tokenizer)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no chat template)."""
-        if self.tokenizer is None:
-            raise EngineError("router not started")
-        return encode_text(self.tokenizer, text)
-
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template (generation prompt appended)."""
-        if self.tokenizer is None:
-            raise EngineError("router not started")
-        return encode_messages(self.tokenizer, messages)
 
     # ------------------------------------------------------------------ routing
     def _speeds(self) -> list[ReplicaSpeed]:

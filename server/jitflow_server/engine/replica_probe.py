@@ -118,7 +118,6 @@ class ReplicaProbe:
         self.streamed = 0  # output tokens received from its streams
         self._busy_s = 0.0  # seconds with at least one request in flight, up to _busy_since
         self._busy_since: float | None = None
-        self._prev_stream: tuple[float, int] | None = None  # (busy s, streamed) at the last probe
         self._history: deque[tuple[float, int]] = deque([(0.0, 0)])  # (busy s, streamed) per probe
 
     def request_started(self) -> None:
@@ -149,10 +148,9 @@ class ReplicaProbe:
         seconds (a window that began with prefill alone reads low; the longer average keeps one such
         reading from starving a fast replica of the work that would measure it again)."""
         busy, n = self.busy_seconds(), self.streamed
-        if self._prev_stream is not None and busy - self._prev_stream[0] > 0.05 and n > self._prev_stream[1]:
-            db = busy - self._prev_stream[0]
-            self.speed.observe_output((n - self._prev_stream[1]) / db, db)
-        self._prev_stream = (busy, n)
+        b1, n1 = self._history[-1]  # at the last probe
+        if busy - b1 > 0.05 and n > n1:
+            self.speed.observe_output((n - n1) / (busy - b1), busy - b1)
         self._history.append((busy, n))
         while len(self._history) > 2 and busy - self._history[1][0] >= AVERAGE_BUSY_S:
             self._history.popleft()

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jitflow_server.engine.hf_tokens import encode_messages, encode_text
+from jitflow_server.engine.hf_tokens import HFTokenizerMixin
 from jitflow_server.engine.protocol import (
     EngineCall,
     EngineError,
@@ -132,7 +132,7 @@ class EngineConfig:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
 
 
-class VLLMEngine:
+class VLLMEngine(HFTokenizerMixin):
     """Owner of one ``AsyncLLM`` running ``JitflowScheduler``; implements the ``Engine`` protocol.
 
     ``start()`` builds the engine, then ``generate``/``abort`` and the typed control calls. Raises
@@ -209,27 +209,6 @@ class VLLMEngine:
     def alive(self) -> bool:
         """True while the engine core is running and not errored."""
         return self.llm is not None and not getattr(self.llm, "errored", False)
-
-    # ---------------------------------------------------------------------------- tokenizer
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the tokenizer knows (valid prompt ids are ``[0, vocab_size)``)."""
-        if self.tokenizer is None:
-            raise EngineError("engine not started")
-        return len(self.tokenizer)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no chat template)."""
-        if self.tokenizer is None:
-            raise EngineError("engine not started")
-        return encode_text(self.tokenizer, text)
-
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of ``messages`` (``[{"role", "content"}]``) through the model's chat template, with
-        the generation prompt appended."""
-        if self.tokenizer is None:
-            raise EngineError("engine not started")
-        return encode_messages(self.tokenizer, messages)
 
     # ---------------------------------------------------------------------------- requests
     @staticmethod
