@@ -80,3 +80,61 @@ def test_the_tracker_gives_its_token_time_as_a_line_in_the_batch_size():
     assert model is not None and model.per_request_s > 0
     for k in (1, 8, 32):
         assert model.token_time(k) == pytest.approx(tr.token_time(k), rel=1e-6)
+
+
+@pytest.mark.parametrize("params", [{}, {"jit": False}, {"fairness": 0.3}, {"compound_priority": "aggregate"}])
+def test_scoring_every_size_at_once_equals_scoring_each_size_alone(params):
+    """The sizes are scored in one vectorised pass (``score_speeds``): each row must be exactly what
+    ``score`` gives at that size's token time, for every kind (latency, deadline, compound, best effort)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from jitflow_server.scheduler.snapshot import build_snapshot
+    from jitflow_server.scheduler.synthetic import synthetic_views
+
+    views = synthetic_views(400, batch_size=32, seed=3)
+    for i, v in enumerate(views):  # a third not yet admitted, some about to be refused by admission control
+        if not v.running and i % 3 == 0:
+            v.admit_by = 1000.0 + (i % 7) * 0.5
+    pol = make_policy("gmax", **params)
+    pol._gaps.extend([0.3, 0.05])  # a measured frame gap shorter than some sizes' frames (the JIT horizon)
+    base = SchedContext(now=1000.0, batch_size=32, token_time=0.05, prefill_rate=4000.0, token_time_model=CPU_LIKE)
+    snap = build_snapshot(views)
+    speeds = np.array([CPU_LIKE.token_time(k) for k in (32, 24, 16, 8)])
+    prios, ests = pol.score_speeds(snap, base, speeds)
+    assert prios.shape == (4, snap.n) and ests.goodput.shape == (4, snap.n)
+    for r, v in enumerate(speeds):
+        prio, est = pol.score(snap, replace(base, token_time=float(v)))
+        np.testing.assert_array_equal(prios[r], prio)
+        row = ests.row(r)
+        for field in ("t_gen", "t_rem", "goodput", "base", "feasible", "marginal"):
+            np.testing.assert_array_equal(getattr(row, field), getattr(est, field), err_msg=field)
+    assert len({float(p.sum()) for p in prios}) == 4  # the speeds do change the priorities
+
+
+def test_the_chosen_size_is_the_one_a_size_by_size_search_picks():
+    import numpy as np
+
+    from jitflow_server.scheduler.gmax import BATCH_FRACTIONS
+    from jitflow_server.scheduler.synthetic import synthetic_views
+
+    views = synthetic_views(200, batch_size=32, seed=8)
+    pol = make_policy("gmax")
+    c = SchedContext(now=1000.0, batch_size=32, token_time=CPU_LIKE.token_time(32), prefill_rate=4000.0,
+                     token_time_model=CPU_LIKE)
+    d = pol.schedule(views, c)
+    from dataclasses import replace
+
+    from jitflow_server.scheduler.snapshot import build_snapshot
+
+    snap = build_snapshot(views)
+    ref = make_policy("gmax")
+    best = None
+    for k in sorted({32, *(round(32 * f) for f in BATCH_FRACTIONS)}, reverse=True):
+        prio, est = ref.score(snap, replace(c, batch_size=k, token_time=CPU_LIKE.token_time(k)))
+        idx = np.argpartition(-prio, k - 1)[:k]
+        rate = float((est.goodput[idx] / np.maximum(est.t_gen[idx], 1e-9)).sum())
+        if best is None or rate > best[0] * (1.0 + ref.params.batch_margin):
+            best = (rate, k)
+    assert d.info["batch_size"] == best[1]

@@ -176,3 +176,17 @@ def test_live_call_refines_its_pattern_bound_at_50_token_boundaries(tmp_path) ->
         assert state.refined_bounds() == {"r1": 1000}
     finally:
         state.tasks.store.close()
+
+
+def test_sorted_quantile_is_numpys_linear_quantile_of_the_suffix() -> None:
+    import random
+
+    import numpy as np
+
+    from jitflow_server.analyzer.stage_length import sorted_quantile
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        xs = sorted(rng.randint(1, 1500) for _ in range(rng.randint(1, 60)))
+        lo, q = rng.randint(0, len(xs) - 1), rng.choice([0.1, 0.5, 0.9, 0.95, rng.random()])
+        assert sorted_quantile(xs, lo, q) == float(np.quantile(np.asarray(xs[lo:], float), q))

@@ -29,3 +29,25 @@ def test_defaults_before_measurements():
     tr = StepTimeTracker(default_token_time=0.03, default_prefill_rate=1000.0)
     assert tr.token_time(8) == pytest.approx(0.03)
     assert tr.prefill_rate() == 1000.0
+
+
+def test_the_window_slides_and_the_fit_matches_a_fresh_least_squares_fit():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tr = StepTimeTracker(window=64)
+    rows = []
+    for i in range(200):  # slides over the window three times; the model drifts so old steps must go
+        n, pre = int(rng.integers(1, 33)), int(rng.integers(0, 2)) * 256
+        dur = (0.01 if i < 100 else 0.03) + 0.001 * n + 0.0001 * pre + float(rng.normal(0, 1e-4))
+        tr.record(dur, n, pre, period=dur * 1.1)
+        rows.append((1.0, n, pre, dur))
+    last = np.array(rows[-64:])
+    coef = np.linalg.lstsq(last[:, :3], last[:, 3], rcond=None)[0]
+    assert tr.step_time(10, 256) == pytest.approx(coef[0] + 10 * coef[1] + 256 * coef[2], rel=1e-9)
+    a, b = max(coef[0], 1e-4), max(coef[1], 0.0)
+    assert tr.wall_factor() == pytest.approx(1.1 * last[:, 3].sum() / (a + b * last[:, 1]).sum(), rel=1e-9)
+    model = tr.token_time_model()
+    assert model is not None and model.floor_s == pytest.approx(0.5 * float(np.median(last[:, 3])), rel=1e-12)
+    tr.record(0.5, 32, 0)  # a new step replaces the cached model
+    assert tr.token_time_model() is not model

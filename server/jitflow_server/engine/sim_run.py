@@ -229,17 +229,20 @@ class SimRun:
         eng, m, B = self.eng, self.m, self.B
         self.frame_step = self.step
         views = []
+        every = eng.bounder.refine_every
         for c in self.running + list(self.waiting.values()):
             v = c.view
-            v.generated = c.generated
-            v.running = c.running
-            v.kv_tokens = c.computed if c.running else 0
-            v.admit_by = c.life.admit_by(c.waiting_time)
-            g50 = c.generated // eng.bounder.refine_every
-            if g50 != c.bound_at or v.len_bound <= c.generated:
-                v.len_bound = eng.bounder.bound(c.true_len, c.generated, c.z, c.cls, c.rid)
+            gen = v.generated = c.generated
+            run = v.running = c.running
+            v.kv_tokens = c.computed if run else 0
+            life = c.life  # admit_by inlined (RequestLifecycle.admit_by): this loop runs for every live call per frame
+            v.admit_by = None if c.waiting_time is None or life.first_scheduled is not None \
+                else life.arrival + c.waiting_time
+            g50 = gen // every
+            if g50 != c.bound_at or v.len_bound <= gen:
+                v.len_bound = eng.bounder.bound(c.true_len, gen, c.z, c.cls, c.rid)
                 c.bound_at = g50
-            v.attained_service = float(c.js.attained if c.js.job.kind == "compound" else c.generated)
+            v.attained_service = float(c.js.attained if c.js.job.kind == "compound" else gen)
             views.append(v)
         ctx = SchedContext(now=self.t, batch_size=B, token_time=eng.tracker.token_time(min(B, max(len(views), 1))),
                            prefill_rate=eng.tracker.prefill_rate(), swap_rate=m.swap_rate,

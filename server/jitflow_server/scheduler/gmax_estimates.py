@@ -28,6 +28,9 @@ class Estimates:
     ``t_rem`` s to the (sub-)deadline (inf for none); ``goodput`` achievable goodput in tokens (0 when
     infeasible); ``base`` the request's (group's) base goodput R in tokens; ``feasible`` bool;
     ``marginal`` goodput lost by deferring one frame (only filled in JIT mode).
+
+    From :func:`estimate_speeds` the speed-dependent fields (``t_gen``, ``goodput``, ``feasible``,
+    ``marginal``) are (K, N), one row per token time; :meth:`row` picks one as a 1-D ``Estimates``.
     """
 
     len_rem: np.ndarray
@@ -38,11 +41,16 @@ class Estimates:
     feasible: np.ndarray
     marginal: np.ndarray | None = None
 
+    def row(self, r: int) -> Estimates:
+        """The estimates at the ``r``-th token time of a (K, N) result (1-D arrays of N)."""
+        return Estimates(self.len_rem, self.t_gen[r], self.t_rem, self.goodput[r], self.base, self.feasible[r],
+                         None if self.marginal is None else self.marginal[r])
+
 
 def on_time_tokens(
-    now: float,
+    now: float | np.ndarray,
     start_delay: np.ndarray,
-    v_token: float,
+    v_token: float | np.ndarray,
     generated: np.ndarray,
     len_rem: np.ndarray,
     arrival: np.ndarray,
@@ -55,7 +63,8 @@ def on_time_tokens(
     ``start_delay`` seconds (pending prefill) at ``v_token`` s/token, token j is emitted at
     ``now + start_delay + (j − generated)·v_token``. Returns, per request, how many
     ``j ∈ [generated+1, generated+len_rem]`` satisfy emitted ≤ due (a request behind its timeline
-    catches up when ``v_token < tbt``). All arguments are arrays of one length except the scalars.
+    catches up when ``v_token < tbt``). The arrays have one length N; ``now`` and ``v_token`` are
+    scalars, or (K, 1) columns (then the result is (K, N), one row per speed).
     """
     a = now + start_delay - generated * v_token - arrival - ttft + tbt
     s = v_token - tbt
@@ -72,26 +81,67 @@ def on_time_tokens(
     return np.where(pos, cnt_pos, np.where(neg, cnt_neg, cnt_zero))
 
 
+def fill_nan(values: np.ndarray, value: float) -> np.ndarray:
+    """``values`` with NaN replaced by ``value`` (a copy). ``np.nan_to_num`` would also turn ±inf into
+    ±1.8e308 and costs 18 µs a call against 3 µs; an infinite deadline stays "none"."""
+    return np.where(np.isnan(values), value, values)
+
+
 def group_max(values: np.ndarray, group: np.ndarray, n_groups: int, fill: float = -np.inf) -> np.ndarray:
     """Per-group maximum of ``values``: array of ``n_groups``, ``out[g] = max(values[group == g])``, ``fill``
-    for groups without members. ``group`` holds group ids in ``[0, n_groups)``, one per value."""
-    out = np.full(n_groups, fill)
-    np.maximum.at(out, group, values)
-    return out
+    for groups without members. ``group`` holds group ids in ``[0, n_groups)``, one per value; ``values``
+    of shape (K, M) gives (K, n_groups), row by row."""
+    if values.ndim == 1:
+        out = np.full(n_groups, fill)
+        np.maximum.at(out, group, values)
+        return out
+    k = values.shape[0]
+    out = np.full(k * n_groups, fill)
+    np.maximum.at(out, _row_groups(group, n_groups, k), values.ravel())
+    return out.reshape(k, n_groups)
+
+
+def group_sum(values: np.ndarray, group: np.ndarray, n_groups: int) -> np.ndarray:
+    """Per-group sum of the (K, M) ``values``, row by row: (K, n_groups) (``np.bincount`` per row)."""
+    k = values.shape[0]
+    if k == 1:
+        return np.bincount(group, values[0], minlength=n_groups)[None, :]
+    return np.bincount(_row_groups(group, n_groups, k), values.ravel(), minlength=k * n_groups).reshape(k, n_groups)
+
+
+def _row_groups(group: np.ndarray, n_groups: int, k: int) -> np.ndarray:
+    """Group ids of a (K, M) array flattened row by row: row r's groups move to ``[r·n_groups, (r+1)·n_groups)``."""
+    return (group[None, :] + n_groups * np.arange(k)[:, None]).ravel()
 
 
 def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: float | None = None) -> Estimates:
-    """Compute :class:`Estimates` for every request of ``snap`` at ``ctx.now`` (JITServe §4.2, App. C).
+    """Compute :class:`Estimates` for every request of ``snap`` at ``ctx.now`` and ``ctx.token_time``
+    (JITServe §4.2, App. C): :func:`estimate_speeds` at that one speed.
 
     ``horizon_s`` (JIT mode only) is how far ahead the marginal goodput looks, in seconds: the time
     until the policy decides again (default ``jit_horizon · Δ · v_token``).
+    """
+    hz = None if horizon_s is None else np.array([horizon_s], float)
+    return estimate_speeds(snap, ctx, prm, np.array([ctx.token_time], float), hz).row(0)
+
+
+def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_times: np.ndarray,
+                    horizons_s: np.ndarray | None = None) -> Estimates:
+    """:class:`Estimates` of every request of ``snap`` at ``ctx.now`` for K decode speeds at once.
+
+    ``token_times`` (K,) s per output token (e.g. one per candidate batch size); ``horizons_s`` (K,) the
+    JIT look-ahead per speed in s (JIT mode; default ``jit_horizon · Δ · v_token``). The speed-dependent
+    fields come back as (K, N) (:meth:`Estimates.row` picks one). One pass over K speeds costs about what
+    one speed did: the frame's cost is numpy's per-call overhead on a few hundred rows, not arithmetic.
 
     Per kind: latency goodput = remaining on-time output tokens at the measured
     speed (:func:`on_time_tokens`); deadline / best-effort goodput = ``ω_i·input + ω_o·output`` if
     ``now + t_gen ≤ deadline``; compound goodput = the task's estimated tokens (else the stage
     group's tokens) if the group can finish in time, shared by all members of the stage group.
     """
-    now, v = ctx.now, ctx.token_time
+    now = ctx.now
+    v = np.asarray(token_times, float).reshape(-1, 1)  # (K, 1)
+    n_speeds = v.shape[0]
     gen = snap.generated
     total = snap.len_bound
     if prm.use_true_len:
@@ -106,7 +156,7 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
     run_i = np.flatnonzero(snap.running)
     pending[run_i[gen[run_i] > 0]] = 0.0
     pre = pending / ctx.prefill_rate
-    t_gen = len_rem * v + pre
+    t_gen = len_rem * v + pre  # (K, N)
     out_total = gen + len_rem
     base = prm.input_weight * snap.input_len + prm.output_weight * out_total
     # the value of meeting one request's SLO, in tokens: request_weight × the mean call's base goodput,
@@ -114,11 +164,14 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
     req_value = prm.request_weight * float(base.mean()) if prm.request_weight > 0 and base.size else 0.0
     kind = snap.kind
     n = snap.n
-    goodput = np.zeros(n)
+    goodput = np.zeros((n_speeds, n))
     t_rem = np.full(n, np.inf)
-    feasible = np.zeros(n, bool)
-    marginal = np.zeros(n) if prm.jit else None
-    frame_s = horizon_s if horizon_s is not None else prm.delta_steps * v * prm.jit_horizon
+    feasible = np.zeros((n_speeds, n), bool)
+    marginal = np.zeros((n_speeds, n)) if prm.jit else None
+    if horizons_s is not None:
+        frame_s = np.asarray(horizons_s, float).reshape(-1, 1)
+    else:
+        frame_s = prm.delta_steps * v * prm.jit_horizon
     # integer index arrays (random boolean masks are several times slower on 10^4 rows)
     order = np.argsort(kind, kind="stable")
     bounds = np.searchsorted(kind[order], [LATENCY, DEADLINE, COMPOUND, BEST_EFFORT, BEST_EFFORT + 1])
@@ -127,21 +180,24 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
     # latency-sensitive: on-time tokens of the remaining timeline
     if lat_i.size:
         i = lat_i
-        ttft = np.nan_to_num(snap.ttft[i], nan=prm.default_ttft)
-        tbt = np.nan_to_num(snap.tbt[i], nan=prm.default_tbt)
-        args = (pre[i], v, gen[i], len_rem[i], snap.arrival[i], ttft, tbt)
-        cnt = on_time_tokens(now, *args)
-        goodput[i] = prm.output_weight * cnt
-        feasible[i] = cnt > 0
+        ttft = fill_nan(snap.ttft[i], prm.default_ttft)
+        tbt = fill_nan(snap.tbt[i], prm.default_tbt)
+        args = (gen[i], len_rem[i], snap.arrival[i], ttft, tbt)
+        if marginal is not None:  # now and one horizon later in one call: rows [0, K) and [K, 2K)
+            both = on_time_tokens(np.vstack((np.full_like(v, now), now + frame_s)), pre[i], np.vstack((v, v)), *args)
+            cnt, later = both[:n_speeds], both[n_speeds:]
+        else:
+            cnt = on_time_tokens(now, pre[i], v, *args)
+        goodput[:, i] = prm.output_weight * cnt
+        feasible[:, i] = cnt > 0
         t_rem[i] = snap.arrival[i] + ttft + (out_total[i] - 1.0) * tbt - now
         if marginal is not None:
-            later = on_time_tokens(now + frame_s, *args)
-            marginal[i] = prm.output_weight * (cnt - later)
+            marginal[:, i] = prm.output_weight * (cnt - later)
         if req_value > 0:
             whole = cnt >= len_rem[i] - 1e-9  # every remaining token can still be on time
-            goodput[i] += req_value * whole
+            goodput[:, i] += req_value * whole
             if marginal is not None:
-                marginal[i] += req_value * (whole & (later < len_rem[i] - 1e-9))
+                marginal[:, i] += req_value * (whole & (later < len_rem[i] - 1e-9))
 
     # deadline-sensitive and best-effort (default deadline after arrival)
     for i, weight, is_be in ((dl_i, 1.0, False), (be_i, prm.best_effort_weight, True)):
@@ -152,57 +208,58 @@ def estimate(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, horizon_s: floa
             dline = np.where(np.isnan(dline), snap.arrival[i] + prm.best_effort_deadline, dline)
         tr = dline - now
         t_rem[i] = tr
-        ok = t_gen[i] <= tr + 1e-9
-        feasible[i] = ok
+        ok = t_gen[:, i] <= tr + 1e-9
+        feasible[:, i] = ok
         val = base[i] * weight + (0.0 if is_be else req_value)
-        goodput[i] = np.where(ok, val, 0.0)
+        goodput[:, i] = np.where(ok, val, 0.0)
         if marginal is not None:
-            urgent = t_gen[i] > tr - frame_s
+            urgent = t_gen[:, i] > tr - frame_s
             if prm.jit_commit and not is_be:
                 urgent |= gen[i] > 0  # started: never deferred just in time (GMAXParams.jit_commit)
-            marginal[i] = np.where(ok & urgent, val, 0.0)
+            marginal[:, i] = np.where(ok & urgent, val, 0.0)
 
     # compound stage groups: aggregate over members, share one priority
     if comp_i.size:
         i = comp_i
         g = snap.group[i]
         ng = snap.n_groups
-        tg = t_gen[i]
-        sum_tgen = np.bincount(g, tg, minlength=ng)
+        tg = t_gen[:, i]
+        sum_tgen = group_sum(tg, g, ng)
         max_tgen = group_max(tg, g, ng)
-        rem_future = prm.future_margin * group_max(snap.task_rem_gen_time[i], g, ng, 0.0)
-        tok_est = group_max(np.nan_to_num(snap.task_tokens_est[i], nan=-np.inf), g, ng)
+        # the speed-free per-group maxima in one pass (every group has a member: no fill shows)
+        rem_future, tok_est, task_dl, sub_dl = group_max(np.vstack((
+            snap.task_rem_gen_time[i], fill_nan(snap.task_tokens_est[i], -np.inf),
+            fill_nan(snap.deadline[i], -np.inf), fill_nan(snap.sub_deadline[i], -np.inf))), g, ng)
+        rem_future = prm.future_margin * rem_future
         tok_sum = np.bincount(g, base[i], minlength=ng)
         if prm.compound_value == "stage":  # the stage's own tokens: see GMAXParams.compound_value
             g_tokens = tok_sum + req_value
         else:
             g_tokens = np.where(np.isfinite(tok_est) & (tok_est > 0), tok_est, tok_sum) + req_value
-        task_dl = group_max(np.nan_to_num(snap.deadline[i], nan=-np.inf), g, ng)
-        sub_dl = group_max(np.nan_to_num(snap.sub_deadline[i], nan=-np.inf), g, ng)
         has_sub = np.isfinite(sub_dl)
         has_task = np.isfinite(task_dl)
         with np.errstate(invalid="ignore"):
             stage_rem = np.where(has_sub, sub_dl - now, np.where(has_task, task_dl - now - rem_future, np.inf))
             task_slack = np.where(has_task, task_dl - now - rem_future, stage_rem)
         budget = task_slack if prm.compound_feasibility == "task" else stage_rem
-        g_ok = max_tgen <= budget + 1e-9
+        g_ok = max_tgen <= budget + 1e-9  # (K, groups)
         den = (sum_tgen if prm.compound_priority == "aggregate" else max_tgen) + rem_future
-        t_gen[i] = den[g]
+        t_gen[:, i] = den[:, g]
         t_rem[i] = stage_rem[g]
         base[i] = g_tokens[g]
-        feasible[i] = g_ok[g]
-        goodput[i] = np.where(g_ok, g_tokens, 0.0)[g]
+        feasible[:, i] = g_ok[:, g]
+        goodput[:, i] = np.where(g_ok, g_tokens, 0.0)[:, g]
         if marginal is not None:
             pace = budget if prm.jit_pacing == "task" else np.minimum(budget, stage_rem)
             late_next = g_ok & (max_tgen > pace - frame_s)
-            marginal[i] = np.where(late_next, g_tokens, 0.0)[g]
+            marginal[:, i] = np.where(late_next, g_tokens, 0.0)[:, g]
     if marginal is not None and snap.admit_by is not None:
         # admission control (JITServe §5) rejects a never-scheduled request at admit_by: deferring it
         # past that loses all of its goodput (a compound call: its whole task's).
         with np.errstate(invalid="ignore"):
-            at_risk = snap.admit_by - now <= max(frame_s, prm.admit_horizon)
+            at_risk = snap.admit_by - now <= np.maximum(frame_s, prm.admit_horizon)  # (K, N)
         if comp_i.size:
-            g_risk = group_max(at_risk[comp_i].astype(float), snap.group[comp_i], snap.n_groups, 0.0) > 0
-            at_risk[comp_i] = g_risk[snap.group[comp_i]]
+            g_risk = group_max(at_risk[:, comp_i].astype(float), snap.group[comp_i], snap.n_groups, 0.0) > 0
+            at_risk[:, comp_i] = g_risk[:, snap.group[comp_i]]
         marginal = np.where(at_risk, goodput, marginal)
     return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)

@@ -10,9 +10,10 @@ over a sliding window of measured steps, instead of constants.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from jitflow_server.scheduler.admission import ServiceRate
 from jitflow_server.scheduler.types import TokenTimeModel
@@ -47,18 +48,27 @@ class StepTimeTracker:
     def __init__(self, window: int = 512, default_token_time: float = 0.035,
                  default_prefill_rate: float = 2000.0) -> None:
         self.samples: deque[StepSample] = deque(maxlen=window)
+        # the same samples as numpy rows in a ring (1, n_decode, prefill_tokens, duration, period or NaN):
+        # refitting from the deque rebuilt a 512-row array in Python at every frame (3 s of a 40 s simulation)
+        self._ring = np.zeros((window, 5))
+        self._next = 0
         self.default_token_time = default_token_time
         self.default_prefill_rate = default_prefill_rate
         self._coef: tuple[float, float, float] | None = None
         self._wall = 1.0
         self._dirty = False
+        self._model: TokenTimeModel | None = None
+        self._model_dirty = True
 
     def record(self, duration: float, n_decode: int, prefill_tokens: int, period: float | None = None) -> None:
         """Add one measured step (``duration`` s of model execution, ignored if not positive; ``period`` s of
         wall time since the previous step, if known)."""
         if duration > 0:
             self.samples.append(StepSample(duration, n_decode, prefill_tokens, period))
-            self._dirty = True
+            self._ring[self._next % len(self._ring)] = (1.0, n_decode, prefill_tokens, duration,
+                                                        np.nan if period is None else period)
+            self._next += 1
+            self._dirty = self._model_dirty = True
 
     def wall_factor(self) -> float:
         """How much longer a decoding request waits per token than the fit of model execution says (≥ 1):
@@ -76,18 +86,25 @@ class StepTimeTracker:
         self._dirty = False
         if len(self.samples) < 8:
             return self._coef
-        import numpy as np
-
-        x = np.array([[1.0, s.n_decode, s.prefill_tokens] for s in self.samples])
-        y = np.array([s.duration for s in self.samples])
-        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        size = len(self._ring)
+        cut = self._next % size
+        rows = self._ring if self._next <= size else np.concatenate((self._ring[cut:], self._ring[:cut]))
+        rows = rows[: len(self.samples)]  # oldest first, as the deque
+        coef, *_ = np.linalg.lstsq(rows[:, :3], rows[:, 3], rcond=None)
         a, b, c = (float(v) for v in coef)
         # Keep the model physical: non-negative marginal costs.
         self._coef = a, b, _c = (max(a, 1e-4), max(b, 0.0), max(c, 0.0))
-        walled = [(s.period, a + b * s.n_decode) for s in self.samples if s.period is not None and s.n_decode > 0]
+        walled = rows[~np.isnan(rows[:, 4]) & (rows[:, 1] > 0)]
         if len(walled) >= 8:
-            self._wall = max(1.0, sum(p for p, _ in walled) / sum(f for _, f in walled))
+            self._wall = max(1.0, float(walled[:, 4].sum() / (a + b * walled[:, 1]).sum()))
         return self._coef
+
+    def _median_duration(self) -> float:
+        """Median measured step (s) over the window (the ring's duration column; order does not matter)."""
+        col = self._ring[: min(self._next, len(self._ring)), 3]
+        lo, hi = (len(col) - 1) // 2, len(col) // 2
+        part = np.partition(col, (lo, hi))  # np.median's result (mean of the middle two) at a third of its cost
+        return float((part[lo] + part[hi]) / 2.0)
 
     def step_time(self, n_decode: int, prefill_tokens: int = 0) -> float:
         """Predicted step time (s) for a batch of ``n_decode`` decoding requests plus prefill tokens."""
@@ -113,12 +130,17 @@ class StepTimeTracker:
         """:meth:`token_time` as a line in the batch size, ``(a + b·k)·wall_factor`` floored at half the
         median measured step (for policies that choose the batch size, and for :meth:`token_time`), or
         ``None`` before 8 steps were measured."""
+        if not self._model_dirty:  # kept until the next step is recorded (policies ask several times a frame)
+            return self._model
+        self._model_dirty = False
         coef = self._fit()
         if coef is None or len(self.samples) < 8:
-            return None
-        a, b, _c = coef
-        w = self.wall_factor()
-        return TokenTimeModel(a * w, b * w, 0.5 * statistics.median(s.duration for s in self.samples))
+            self._model = None
+        else:
+            a, b, _c = coef
+            w = self.wall_factor()
+            self._model = TokenTimeModel(a * w, b * w, 0.5 * self._median_duration())
+        return self._model
 
     def prefill_rate(self) -> float:
         """Prefill throughput (tokens/s) implied by the fit (default before measurements)."""
@@ -136,7 +158,7 @@ class StepTimeTracker:
             return None
         a, b, c = coef
         return ServiceRate(base_s=a, per_decode_s=b, per_prefill_token_s=c, wall_factor=self._wall,
-                           min_step_s=0.5 * statistics.median(s.duration for s in self.samples),
+                           min_step_s=0.5 * self._median_duration(),
                            batch_size=max(int(batch_size), 1))
 
     def summary(self) -> dict:
