@@ -1,7 +1,7 @@
 """The router front end (`jitflow serve --replica URL ...`) over two real vLLM replicas (`jitflow vllm-serve`
 with the jitflow plug-in, tiny model, 127.0.0.1): routing follows the replicas' measured speed, a killed
-replica loses no queued request, a request it was streaming fails with a clear 502, and a replica that
-comes back is used again."""
+replica loses no queued request, a request it was streaming fails with a clear 502, a replica that
+comes back is used again, and a call queued behind a busy replica moves to an idle one."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def replicas(tmp_path_factory):
             reps[k].stop()
 
 
-def _router(reps, router: str, log):
+def _router(reps, router: str, log, *extra: str):
     cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--router", router,
-           "--replica", reps["fast"].base_url, "--replica", reps["slow"].base_url, "--no-length-predictor"]
+           "--replica", reps["fast"].base_url, "--replica", reps["slow"].base_url, "--no-length-predictor", *extra]
     return running_server(cmd, log, dict(os.environ, JITFLOW_HISTORY_DB=str(log.parent / f"{router}.sqlite")),
                           timeout=120)
 
@@ -91,8 +91,24 @@ def test_routing_follows_the_measured_speed(replicas):
         assert after["decision_us"]["n"] >= 40  # every call's decision was timed (its speed: bench replicas-real)
 
 
+def test_a_call_queued_behind_a_busy_replica_is_handed_over_to_an_idle_one(replicas):
+    # round robin sends half of the burst to the slow replica (2 slots): the calls queued there have no token
+    # after 2 s while the fast replica is idle, so they move to it and every call is served once
+    with _router(replicas, "round-robin", replicas["dir"] / "handover.log", "--handover", "2") as (url, _):
+        results = _burst(url, 12, 64)
+        stats = _stats(url)
+    assert [s for s, _ in results] == [200] * 12, [b for s, b in results if s != 200][:2]
+    assert all(b["usage"]["completion_tokens"] == 64 for _, b in results)
+    fast, slow = stats["replicas"]
+    assert stats["handed_over"] >= 1, stats
+    assert fast["routed"] + slow["routed"] == 12 + stats["handed_over"]  # one more attempt per hand-over
+    assert fast["routed"] > slow["routed"], stats["replicas"]
+    assert stats["rerouted"] == 0 and stats["failed_streaming"] == 0
+
+
 def test_a_killed_replica_loses_no_queued_request_and_is_used_again_when_back(replicas):
-    with _router(replicas, "round-robin", replicas["dir"] / "rr.log") as (url, _):
+    # no hand-over: the slow replica must keep the calls it holds until it is killed
+    with _router(replicas, "round-robin", replicas["dir"] / "rr.log", "--handover", "0") as (url, _):
         slow = replicas["slow"]
         n, tokens = 12, 300
         with ThreadPoolExecutor(n) as pool:

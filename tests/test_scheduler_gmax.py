@@ -451,3 +451,21 @@ def test_gmax_jit_commit_keeps_a_started_deadline_request_running():
     # a started request that can no longer finish is not held on to
     late = RequestView("L", Kind.DEADLINE, 0.0, 10, 50, 100, True, kv_tokens=60, deadline=1.1)
     assert committed.schedule([late, n], c).batch == ["N"]
+
+
+def test_jit_slack_makes_a_stage_urgent_while_a_slower_engine_could_still_meet_it():
+    """Stage st needs 1 s at the measured speed and has 1.6 s to its sub-deadline (one frame of look-ahead:
+    0.5 s): exact pacing lets it wait behind a denser request; with 30 % slack (1.3 s of work) it runs now."""
+    stage = RequestView("st", Kind.COMPOUND, 0.0, 10, 0, 100, False, deadline=500.0, sub_deadline=2.6,
+                        task_id="T", stage_index=0, task_rem_gen_time=1.0)  # t_gen 1 s at v = 0.01
+    dense = dl("R", 3000, 100, deadline=500.0)
+
+    def pick(slack: float) -> list[str]:
+        pol = make_policy("gmax", adapt_p=False, starvation_delta=0.0, jit_slack=slack, jit_horizon=1.0,
+                          delta_steps=50)  # horizon: 50 steps of 0.01 s
+        return pol.schedule([stage, dense], ctx(now=1.0, b=1)).batch
+
+    assert pick(0.0) == ["R"]
+    assert pick(0.3) == ["st"]
+    with pytest.raises(ValueError, match="jit_slack"):
+        gmax(jit_slack=-0.1)

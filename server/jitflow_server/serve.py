@@ -114,6 +114,9 @@ def register(app: typer.Typer) -> None:
                                    "prefix-affinity."),
         replica_key: Optional[str] = typer.Option(None, envvar="JITFLOW_REPLICA_KEY", help="API key the router "
                                                   "sends to the replicas (env JITFLOW_REPLICA_KEY)."),
+        handover: float = typer.Option(2.0, min=0.0, help="With replicas: a call without a token this many "
+                                       "seconds after reaching its replica moves once to a replica with at least "
+                                       "1 s less work in flight (0 = never)."),
         analyzer_budget: float = typer.Option(
             0.05, min=0.001, max=10.0, help="The longest a compound call waits for its pattern match (s); past "
                                             "it the call gets the fallback sub-deadline and a metric counts it."),
@@ -190,7 +193,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"jitflow: routing ({router}) over {len(urls)} replicas of {name}: {', '.join(urls)}; "
                        f"listening on http://{host}:{port}", err=True)
             served_engine = RemoteEngine(RouterConfig(replicas=urls, model=path, served_name=name,
-                                                      router=router, api_key=replica_key))
+                                                      router=router, api_key=replica_key, handover_s=handover))
         else:
             cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
                                batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,

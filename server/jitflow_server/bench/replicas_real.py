@@ -166,6 +166,7 @@ def register(bench_app: typer.Typer) -> None:
                     m["load_generator_cpu_s"] = time.process_time() - load0
                     m["routed"] = [r["routed"] - r0["routed"] for r, r0 in zip(st["replicas"], st0["replicas"])]
                     m["rerouted"], m["wall_s"] = st["rerouted"] - st0["rerouted"], time.time() - t0
+                    m["handed_over"] = st.get("handed_over", 0) - st0.get("handed_over", 0)
                     m["decision_us"] = st.get("decision_us")  # the router's decision time (the last 2 000)
                     runs[name].append(m)
                     con.print(f"seed {seed} {name}: token goodput {m['token_goodput']:.1f} tok/s, request goodput "

@@ -21,7 +21,8 @@ request it held that had not produced a token is sent again to another replica (
 so nothing is lost or duplicated); a request that had streamed tokens fails with a clear 502 (its
 output so far was already sent and cannot be taken back); with no replica up a request waits up to
 ``reroute_wait`` seconds, then gets a 503 with ``Retry-After``. A replica that answers again is used
-again. Not forwarded: refined length bounds, policy switches, the plug-ins' diagnostics.
+again. A call still without a token ``handover_s`` seconds after reaching its replica moves, once, to
+the replica with the least work in flight if that one has clearly less (``RouterConfig``). Not forwarded: refined length bounds, policy switches, the plug-ins' diagnostics.
 """
 
 from __future__ import annotations
@@ -175,6 +176,22 @@ class RemoteEngine(HFTokenizerMixin):
                 work[i] = urgent[i] = _DOWN_WORK_S
         return Backlog.measured(now, speeds, work, urgent, pending)
 
+    def _handover_target(self, f: Flight, i: int) -> int:
+        """The up replica other than ``i`` where ``f`` waits least (s of work in flight, :meth:`_backlog`, not
+        counting ``f``; a latency call waits only behind latency work) when it waits at least
+        ``handover_margin_s`` less there than on ``i``; else -1."""
+        f.replica = -1  # the comparison leaves f's own work out
+        try:
+            b = self._backlog(time.time(), self._speeds())
+        finally:
+            f.replica = i
+        work = b.urgent if f.urgent else b.work
+        others = [j for j, r in enumerate(self.replicas) if r.up and j != i]
+        if not others:
+            return -1
+        j = min(others, key=lambda k: (work[k], k))
+        return j if work[j] + self.config.handover_margin_s <= work[i] else -1
+
     def _route(self, req: GenerateRequest, f: Flight) -> int:
         """The replica for ``f`` now (one that is up); -1 when none is."""
         up = [i for i, r in enumerate(self.replicas) if r.up]
@@ -258,7 +275,10 @@ class RemoteEngine(HFTokenizerMixin):
             if len(f.attempts) > 2 * len(self.replicas):
                 raise UpstreamError(f"the request failed to start on {len(f.attempts)} replica attempts: "
                                     + "; ".join(r.describe() for r in self.replicas), status=503, retry_after=5)
-            i = -1 if self._paused else self._route(req, f)
+            if f.prefer >= 0 and not self._paused and self.replicas[f.prefer].up:
+                i, f.prefer = f.prefer, -1
+            else:
+                i = -1 if self._paused else self._route(req, f)
             if i >= 0:
                 f.replica, self.counts.routed[i] = i, self.counts.routed[i] + 1
                 f.attempts.append(i)
@@ -281,12 +301,21 @@ class RemoteEngine(HFTokenizerMixin):
         reader = asyncio.create_task(self._read(replica.url, self._body(req), headers, q),
                                      name=f"replica-stream-{f.rid}")
         replica.request_started()
+        sent = time.monotonic()
         try:
             while True:
                 try:
                     kind, payload = await asyncio.wait_for(q.get(), self.config.probe_period)
                 except asyncio.TimeoutError:
                     if replica.up:
+                        if (f.generated == 0 and not f.handed_over and self.config.handover_s > 0
+                                and time.monotonic() - sent >= self.config.handover_s
+                                and (j := self._handover_target(f, i)) >= 0):
+                            f.handed_over, f.prefer = True, j
+                            self.counts.handed_over += 1
+                            logger.info("router: %s had no token after %.1f s on %s; handed over to %s", f.rid,
+                                        time.monotonic() - sent, replica.url, self.replicas[j].url)
+                            return  # closing the stream aborts it on the replica
                         continue
                     if f.generated == 0:  # it stopped answering before our first token
                         self.counts.rerouted += 1

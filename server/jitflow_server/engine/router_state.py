@@ -19,7 +19,11 @@ class RouterConfig:
     a name of ``scheduler.routing.ROUTER_NAMES``; ``probe_period``/``probe_timeout`` the health probe
     (s); ``reroute_wait`` how long a request waits for any replica to be up (s); ``startup_timeout``
     how long :meth:`RemoteEngine.start` waits for the first replica (s); ``api_key`` sent to the
-    replicas as a bearer token."""
+    replicas as a bearer token; ``handover_s``: a call that has produced no token this many seconds
+    after reaching its replica moves, once, to the replica with the least work in flight when that one
+    has ``handover_margin_s`` less (0: never; the front end's admission control rejects a call not
+    started within its waiting time, and a call queued behind a burst on one replica would otherwise be
+    rejected while another replica has room)."""
 
     replicas: Sequence[str]
     model: Path
@@ -31,6 +35,8 @@ class RouterConfig:
     startup_timeout: float = 300.0
     api_key: str | None = None
     seed: int = 0
+    handover_s: float = 2.0
+    handover_margin_s: float = 1.0
 
 
 @dataclass
@@ -50,6 +56,8 @@ class Flight:
     aborted: bool = False
     queue: asyncio.Queue | None = None
     attempts: list[int] = field(default_factory=list)
+    handed_over: bool = False  # moved once already (RouterConfig.handover_s)
+    prefer: int = -1  # the replica the next attempt goes to (a hand-over's target), -1: the router's pick
 
 
 def slo_deadline(h: SchedHints, est_output: float, now: float) -> float | None:
@@ -70,10 +78,12 @@ class RouterCounts:
     """What the router did since it started: calls ``routed`` to each replica (an attempt each),
     ``rerouted`` attempts that ended before a first token and were sent again, ``failed_streaming``
     calls failed after tokens were streamed (502), ``no_replica`` calls that found no replica up (503),
-    ``hint_updates_dropped`` refined bounds not forwarded."""
+    ``hint_updates_dropped`` refined bounds not forwarded, ``handed_over`` calls moved to a less loaded
+    replica before their first token (``RouterConfig.handover_s``)."""
 
     routed: list[int]
     rerouted: int = 0
     failed_streaming: int = 0
     no_replica: int = 0
     hint_updates_dropped: int = 0
+    handed_over: int = 0

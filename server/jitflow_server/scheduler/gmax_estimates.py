@@ -213,7 +213,7 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         val = base[i] * weight + (0.0 if is_be else req_value)
         goodput[:, i] = np.where(ok, val, 0.0)
         if marginal is not None:
-            urgent = t_gen[:, i] > tr - frame_s
+            urgent = t_gen[:, i] * (1.0 + prm.jit_slack) > tr - frame_s
             if prm.jit_commit and not is_be:
                 urgent |= gen[i] > 0  # started: never deferred just in time (GMAXParams.jit_commit)
             marginal[:, i] = np.where(ok & urgent, val, 0.0)
@@ -251,7 +251,7 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         goodput[:, i] = np.where(g_ok, g_tokens, 0.0)[:, g]
         if marginal is not None:
             pace = budget if prm.jit_pacing == "task" else np.minimum(budget, stage_rem)
-            late_next = g_ok & (max_tgen > pace - frame_s)
+            late_next = g_ok & (max_tgen * (1.0 + prm.jit_slack) > pace - frame_s)
             marginal[:, i] = np.where(late_next, g_tokens, 0.0)[:, g]
     if marginal is not None and snap.admit_by is not None:
         # admission control (JITServe §5) rejects a never-scheduled request at admit_by: deferring it

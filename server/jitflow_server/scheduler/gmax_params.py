@@ -83,6 +83,10 @@ class GMAXParams:
       the admitted requests missed without it, 0 % with it, +5 % goodput tokens; in the simulator
       (``jitflow bench tune`` on the tuning seeds) within ±0.04 of the best baseline's ratios either way
       (a100-llama8b worst-case token ratio 0.91 → 0.92, cpu-demo-avx512 0.92 → 0.91).
+    - ``jit_slack`` [0.0]: under JIT, a deadline request or compound stage group turns urgent once its
+      laxity is below the horizon plus ``jit_slack × t_gen`` (its own estimated generation time), not the
+      horizon alone: room for a speed estimate that turns out optimistic on a loaded engine. 0 paces
+      exactly to the estimates.
     - ``admit_horizon`` [inf s]: a request that has never been scheduled is *at risk* (marginal = all
       its goodput) once its admission deadline ``admit_by`` (JITServe §5: rejected if not scheduled
       within ``waiting_time``) is closer than this; inf = always. Admission is the one irreversible
@@ -181,6 +185,7 @@ class GMAXParams:
     jit_horizon: float = 2.0
     admit_horizon: float = math.inf
     jit_commit: bool = True
+    jit_slack: float = 0.0
     window: str = "protected"
     overrun: float = 1.0
     evict_frames: float = 10.0
@@ -224,6 +229,8 @@ class GMAXParams:
             raise ValueError(f"batch_sizing must be 'goodput' or 'full', got {self.batch_sizing!r}")
         if not (self.batch_margin >= 0 and np.isfinite(self.batch_margin)):
             raise ValueError(f"batch_margin must be a finite number >= 0, got {self.batch_margin}")
+        if not (self.jit_slack >= 0 and np.isfinite(self.jit_slack)):
+            raise ValueError(f"jit_slack must be a finite number >= 0, got {self.jit_slack}")
         if self.window not in ("protected", "paper"):
             raise ValueError(f"window must be 'protected' or 'paper', got {self.window!r}")
         if not self.evict_frames >= 0:
