@@ -51,3 +51,8 @@ def test_the_window_slides_and_the_fit_matches_a_fresh_least_squares_fit():
     assert model is not None and model.floor_s == pytest.approx(0.5 * float(np.median(last[:, 3])), rel=1e-12)
     tr.record(0.5, 32, 0)  # a new step replaces the cached model
     assert tr.token_time_model() is not model
+
+
+def test_a_window_of_no_steps_is_refused():
+    with pytest.raises(ValueError, match="window"):
+        StepTimeTracker(window=0)

@@ -22,7 +22,8 @@ so nothing is lost or duplicated); a request that had streamed tokens fails with
 output so far was already sent and cannot be taken back); with no replica up a request waits up to
 ``reroute_wait`` seconds, then gets a 503 with ``Retry-After``. A replica that answers again is used
 again. A call still without a token ``handover_s`` seconds after reaching its replica moves, once, to
-the replica with the least work in flight if that one has clearly less (``RouterConfig``). Not forwarded: refined length bounds, policy switches, the plug-ins' diagnostics.
+the replica with the least work in flight if that one has clearly less (``RouterConfig``). Not
+forwarded: refined length bounds, policy switches, the plug-ins' diagnostics.
 """
 
 from __future__ import annotations

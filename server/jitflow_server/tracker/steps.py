@@ -40,13 +40,15 @@ class StepTimeTracker:
     """Sliding-window model of engine step time (seconds) from measured steps.
 
     Args:
-        window: number of recent steps kept.
+        window: number of recent steps kept (``ValueError`` below 1).
         default_token_time: seconds per decode step used before any measurement.
         default_prefill_rate: prefill tokens per second used before any measurement.
     """
 
     def __init__(self, window: int = 512, default_token_time: float = 0.035,
                  default_prefill_rate: float = 2000.0) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1 step, got {window}")
         self.samples: deque[StepSample] = deque(maxlen=window)
         # the same samples as numpy rows in a ring (1, n_decode, prefill_tokens, duration, period or NaN):
         # refitting from the deque rebuilt a 512-row array in Python at every frame (3 s of a 40 s simulation)
