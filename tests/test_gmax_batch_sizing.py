@@ -101,11 +101,11 @@ def test_scoring_every_size_at_once_equals_scoring_each_size_alone(params):
     pol._gaps.extend([0.3, 0.05])  # a measured frame gap shorter than some sizes' frames (the JIT horizon)
     base = SchedContext(now=1000.0, batch_size=32, token_time=0.05, prefill_rate=4000.0, token_time_model=CPU_LIKE)
     snap = build_snapshot(views)
-    speeds = np.array([CPU_LIKE.token_time(k) for k in (32, 24, 16, 8)])
-    prios, ests = pol.score_speeds(snap, base, speeds)
+    ctxs = [replace(base, batch_size=k, token_time=CPU_LIKE.token_time(k)) for k in (32, 24, 16, 8)]
+    prios, ests = pol.score_speeds(snap, ctxs)
     assert prios.shape == (4, snap.n) and ests.goodput.shape == (4, snap.n)
-    for r, v in enumerate(speeds):
-        prio, est = pol.score(snap, replace(base, token_time=float(v)))
+    for r, c in enumerate(ctxs):
+        prio, est = pol.score(snap, c)
         np.testing.assert_array_equal(prios[r], prio)
         row = ests.row(r)
         for field in ("t_gen", "t_rem", "goodput", "base", "feasible", "marginal"):

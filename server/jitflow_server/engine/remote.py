@@ -158,13 +158,15 @@ class RemoteEngine(HFTokenizerMixin):
         pre0 = max(pres) if pres else PRIOR_SPEED.prefill_tok_s
         return [ReplicaSpeed(r.speed.output_tok_s or out0, r.speed.prefill_tok_s or pre0) for r in self.replicas]
 
-    def _backlog(self, now: float, speeds: list[ReplicaSpeed]) -> Backlog:
+    def _backlog(self, now: float, speeds: list[ReplicaSpeed], without: Flight | None = None) -> Backlog:
+        """Each replica's work in flight at ``now`` (s of its capacity), ``without`` one flight (a hand-over weighs
+        where a call would wait behind the others)."""
         n = len(self.replicas)
         work, urgent = [0.0] * n, [0.0] * n
         pending: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
         for f in self._flights.values():  # routing order: a request waits behind those routed before it
             i = f.replica
-            if i < 0 or f.aborted:
+            if i < 0 or f.aborted or f is without:
                 continue
             w = speeds[i].work_s(0 if f.generated else f.prompt_tokens, max(f.est_output - f.generated, 1.0))
             work[i] += w
@@ -181,11 +183,7 @@ class RemoteEngine(HFTokenizerMixin):
         """The up replica other than ``i`` where ``f`` waits least (s of work in flight, :meth:`_backlog`, not
         counting ``f``; a latency call waits only behind latency work) when it waits at least
         ``handover_margin_s`` less there than on ``i``; else -1."""
-        f.replica = -1  # the comparison leaves f's own work out
-        try:
-            b = self._backlog(time.time(), self._speeds())
-        finally:
-            f.replica = i
+        b = self._backlog(time.time(), self._speeds(), without=f)
         work = b.urgent if f.urgent else b.work
         others = [j for j, r in enumerate(self.replicas) if r.up and j != i]
         if not others:

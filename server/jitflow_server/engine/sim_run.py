@@ -235,9 +235,7 @@ class SimRun:
             gen = v.generated = c.generated
             run = v.running = c.running
             v.kv_tokens = c.computed if run else 0
-            life = c.life  # admit_by inlined (RequestLifecycle.admit_by): this loop runs for every live call per frame
-            v.admit_by = None if c.waiting_time is None or life.first_scheduled is not None \
-                else life.arrival + c.waiting_time
+            v.admit_by = c.life.admit_by(c.waiting_time)
             g50 = gen // every
             if g50 != c.bound_at or v.len_bound <= gen:
                 v.len_bound = eng.bounder.bound(c.true_len, gen, c.z, c.cls, c.rid)

@@ -186,17 +186,19 @@ class GMAXPolicy:
         (demoted to the best-effort class). In JIT mode the goodput term is
         ``marginal + jit_fill·goodput``. Then the optional fairness blend (§4.3).
         """
-        prio, est = self.score_speeds(snap, ctx, np.array([ctx.token_time], float), last_served)
+        prio, est = self.score_speeds(snap, [ctx], last_served)
         return prio[0], est.row(0)
 
     def score_speeds(
-        self, snap: Snapshot, ctx: SchedContext, token_times: np.ndarray, last_served: np.ndarray | None = None
+        self, snap: Snapshot, ctxs: Sequence[SchedContext], last_served: np.ndarray | None = None
     ) -> tuple[np.ndarray, Estimates]:
-        """:meth:`score` at K decode speeds at once: priorities (K, N) and (K, N) estimates
-        (:func:`~jitflow_server.scheduler.gmax_estimates.estimate_speeds`); ``token_times`` (K,) s per
-        token, e.g. one per candidate batch size. Row r equals ``score`` with ``token_time = token_times[r]``."""
+        """:meth:`score` under K contexts at once (one per candidate batch size: the same ``now`` and
+        prefill rate, each its own ``batch_size`` and ``token_time``): priorities (K, N) and (K, N)
+        estimates (:func:`~jitflow_server.scheduler.gmax_estimates.estimate_speeds`). Row r equals
+        ``score(snap, ctxs[r], last_served)``."""
         prm = self.params
-        v = np.asarray(token_times, float)
+        ctx = ctxs[0]
+        v = np.array([c.token_time for c in ctxs], float)
         est = estimate_speeds(snap, ctx, prm, v, self.horizons_s(v) if prm.jit else None)
         n = snap.n
         frame_s = (prm.delta_steps * v)[:, None]
@@ -211,8 +213,8 @@ class GMAXPolicy:
         num = gain + (prm.starvation_delta * waited + 1e-6) * est.base
         prio = num / np.maximum(est.t_gen, 1e-9)
         if prm.fairness > 0 and n:
-            for r in range(v.size):
-                fair = (prm.fair_fn or default_fair)(snap, replace(ctx, token_time=float(v[r])))
+            for r, c in enumerate(ctxs):
+                fair = (prm.fair_fn or default_fair)(snap, c)
                 scale = float(prio[r].max()) or 1.0
                 prio[r] = ((1.0 - prm.fairness) * prio[r] / scale + prm.fairness * np.asarray(fair, float)) * scale
         return prio, est
@@ -311,8 +313,8 @@ class GMAXPolicy:
             return ctx, prio, est
         sizes = sorted({b, *(k for f in BATCH_FRACTIONS if 1 <= (k := round(b * f)) < b)}, reverse=True)
         # every size scored in one vectorised pass: 3.5x less frame time than one pass per size, same result
-        speeds = np.array([model.token_time(k) for k in sizes], float)
-        prios, ests = self.score_speeds(snap, ctx, speeds, served)
+        ctxs = [replace(ctx, batch_size=k, token_time=model.token_time(k)) for k in sizes]
+        prios, ests = self.score_speeds(snap, ctxs, served)
         rates = ests.goodput / np.maximum(ests.t_gen, 1e-9)
         best_r, best_rate = 0, -np.inf
         for r, k in enumerate(sizes):
@@ -320,8 +322,7 @@ class GMAXPolicy:
             rate = float(rates[r, idx].sum())
             if r == 0 or rate > best_rate * (1.0 + self.params.batch_margin):
                 best_r, best_rate = r, rate
-        ck = replace(ctx, batch_size=sizes[best_r], token_time=float(speeds[best_r]))
-        return ck, prios[best_r], ests.row(best_r)
+        return ctxs[best_r], prios[best_r], ests.row(best_r)
 
     def _preemption(
         self, snap: Snapshot, ctx: SchedContext, prio: np.ndarray, est: Estimates, in_batch: np.ndarray

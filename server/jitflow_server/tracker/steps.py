@@ -10,9 +10,6 @@ over a sliding window of measured steps, instead of constants.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-
 import numpy as np
 
 from jitflow_server.scheduler.admission import ServiceRate
@@ -23,17 +20,6 @@ from jitflow_server.scheduler.types import TokenTimeModel
 #: (s; None after idle), model execution (s), decoding requests, prefill tokens, summed context of
 #: the decodes (tokens), coefficient of variation of the batch's context lengths.
 STEP_FIELDS = ("t", "period_s", "forward_s", "n_decode", "prefill_tokens", "ctx_decode_tokens", "ctx_cv")
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """One measured engine step: model execution (s), requests decoding, prefill tokens, and the wall time
-    since the previous step (s; ``None`` after idle or where unknown)."""
-
-    duration: float
-    n_decode: int
-    prefill_tokens: int
-    period: float | None = None
 
 
 class StepTimeTracker:
@@ -49,9 +35,8 @@ class StepTimeTracker:
                  default_prefill_rate: float = 2000.0) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 step, got {window}")
-        self.samples: deque[StepSample] = deque(maxlen=window)
-        # the same samples as numpy rows in a ring (1, n_decode, prefill_tokens, duration, period or NaN):
-        # refitting from the deque rebuilt a 512-row array in Python at every frame (3 s of a 40 s simulation)
+        # the window's steps as numpy rows in a ring (1, n_decode, prefill_tokens, duration, period or NaN):
+        # refitting from Python objects rebuilt a 512-row array at every frame (3 s of a 40 s simulation)
         self._ring = np.zeros((window, 5))
         self._next = 0
         self.default_token_time = default_token_time
@@ -66,11 +51,15 @@ class StepTimeTracker:
         """Add one measured step (``duration`` s of model execution, ignored if not positive; ``period`` s of
         wall time since the previous step, if known)."""
         if duration > 0:
-            self.samples.append(StepSample(duration, n_decode, prefill_tokens, period))
             self._ring[self._next % len(self._ring)] = (1.0, n_decode, prefill_tokens, duration,
                                                         np.nan if period is None else period)
             self._next += 1
             self._dirty = self._model_dirty = True
+
+    @property
+    def n_samples(self) -> int:
+        """Steps in the window (at most ``window``)."""
+        return min(self._next, len(self._ring))
 
     def wall_factor(self) -> float:
         """How much longer a decoding request waits per token than the fit of model execution says (≥ 1):
@@ -86,12 +75,12 @@ class StepTimeTracker:
         if not self._dirty:
             return self._coef
         self._dirty = False
-        if len(self.samples) < 8:
+        if self.n_samples < 8:
             return self._coef
         size = len(self._ring)
         cut = self._next % size
         rows = self._ring if self._next <= size else np.concatenate((self._ring[cut:], self._ring[:cut]))
-        rows = rows[: len(self.samples)]  # oldest first, as the deque
+        rows = rows[: self.n_samples]  # oldest first
         coef, *_ = np.linalg.lstsq(rows[:, :3], rows[:, 3], rcond=None)
         a, b, c = (float(v) for v in coef)
         # Keep the model physical: non-negative marginal costs.
@@ -103,7 +92,7 @@ class StepTimeTracker:
 
     def _median_duration(self) -> float:
         """Median measured step (s) over the window (the ring's duration column; order does not matter)."""
-        col = self._ring[: min(self._next, len(self._ring)), 3]
+        col = self._ring[: self.n_samples, 3]
         lo, hi = (len(col) - 1) // 2, len(col) // 2
         part = np.partition(col, (lo, hi))  # np.median's result (mean of the middle two) at a third of its cost
         return float((part[lo] + part[hi]) / 2.0)
@@ -136,7 +125,7 @@ class StepTimeTracker:
             return self._model
         self._model_dirty = False
         coef = self._fit()
-        if coef is None or len(self.samples) < 8:
+        if coef is None or self.n_samples < 8:
             self._model = None
         else:
             a, b, _c = coef
@@ -156,7 +145,7 @@ class StepTimeTracker:
         admission, or ``None`` before 8 steps were measured (admission then falls back to the waiting
         time alone)."""
         coef = self._fit()
-        if coef is None or len(self.samples) < 8:
+        if coef is None or self.n_samples < 8:
             return None
         a, b, c = coef
         return ServiceRate(base_s=a, per_decode_s=b, per_prefill_token_s=c, wall_factor=self._wall,
@@ -167,7 +156,7 @@ class StepTimeTracker:
         """Plain-dict view (for RPC/metrics): samples, fitted coefficients, token time at 1/8/32."""
         coef = self._fit()
         return {
-            "samples": len(self.samples),
+            "samples": self.n_samples,
             "coef": list(coef) if coef else None,
             "token_time_b1": self.token_time(1),
             "token_time_b8": self.token_time(8),
