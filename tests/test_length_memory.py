@@ -150,6 +150,11 @@ def test_eval_length_reports_both_splits_and_calibration(tmp_path, monkeypatch) 
         assert s["n"] > 0 and 0.0 <= s["coverage"] <= 1.0 and s["over_reservation"] >= 0.0
     # model-b answers half as long: the uncalibrated bound over-reserves more than the calibrated one
     assert entry["calibrated"]["0"]["median_ratio"] < entry["uncalibrated"]["0"]["median_ratio"]
+    # the reference has model-b's answers to the other prompts in training: it learns the halving
+    seen = res["results"]["known_prompts"]["held_out_model"][length_eval.SEEN_MODEL]["uncalibrated"]["0"]
+    assert seen["n"] == entry["uncalibrated"]["0"]["n"]
+    assert seen["median_ratio"] < entry["uncalibrated"]["0"]["median_ratio"]
+    assert length_eval.SEEN_MODEL not in res["results"]["new_prompts"]["held_out_model"]
     md = (tmp_path / "out" / "length_eval.md").read_text()
     assert "known prompts: held out model" in md and "over-reservation" in md
     assert (tmp_path / "out" / "length_eval.png").stat().st_size > 0

@@ -10,7 +10,9 @@ Two splits of the test responses:
 
 Methods on each split: ``qrf`` (the served predictor: prompt memory, request features, spread-scaled
 calibration), ``qrf_v1`` (the previous model: text features only, plain log-offset calibration) and
-``empirical`` (the global q-quantile of training lengths still running at k). Each is reported
+``empirical`` (the global q-quantile of training lengths still running at k), and on ``known_prompts`` the
+reference :data:`SEEN_MODEL` (the served predictor with the held-out model's answers to the other half of
+the prompts in training: how tight the features allow once a model is known). Each is reported
 uncalibrated (the forest's bound with its fit-time conformal factor) and calibrated (the online
 calibrator of the server, one stream per test generator in file order, every bound scored before its
 length is revealed, counted after a warm-up). Per k in :data:`EVAL_KS`: coverage, median and P90 of
@@ -32,8 +34,12 @@ import numpy as np
 
 EVAL_KS: tuple[int, ...] = (0, 100, 400)
 METHODS = ("qrf", "qrf_v1", "empirical")
+#: Reference method of the known-prompts split: not a predictor a new model gets, a measure of how tight
+#: the features can be at all (the held-out model's own responses to the other prompts are in training).
+SEEN_MODEL = "qrf_seen_model"
 NAMES = {"qrf": "QRF + prompt memory (served)", "qrf_v1": "QRF, text features only (previous model)",
-         "empirical": "global empirical q-quantile"}
+         "empirical": "global empirical q-quantile",
+         SEEN_MODEL: "served QRF, the model's other responses in training (reference)"}
 
 
 def prompt_fold(key: str, seed: int, folds: int) -> int:
@@ -116,23 +122,27 @@ def run_eval(train_files: list[Path], test_files: list[Path], quantile: float, o
     test_set = {pos[id(e)] for e in test_ex}
     is_test = np.asarray([idx[i] in test_set and ks[i] in EVAL_KS for i in range(len(y))])
 
-    def fit_pair(tr: np.ndarray) -> dict[str, LengthPredictor]:
+    def fit_pair(tr: np.ndarray, previous: bool = True) -> dict[str, LengthPredictor]:
         ex_tr = sorted({int(idx[i]) for i in tr})
         m_new = LengthPredictor(quantile, random_state=seed, counter=counter)
         mem = m_new.fit_memory([all_ex[i] for i in ex_tr])
         mrow = {e: j for j, e in enumerate(ex_tr)}
         M = m_new.memory_rows([all_ex[i] for i in ex_tr], mem)[[mrow[int(idx[i])] for i in tr]]
         m_new.fit_rows(P[tr], G[tr], y[tr], [C[i] for i in tr], [row_key[i] for i in tr], M=M, memory=mem)
+        if not previous:
+            return {"qrf": m_new}
         m_old = LengthPredictor(quantile, random_state=seed, counter=counter, text_memory=False, spread_scaled=False)
         m_old.fit_rows(P[tr], G[tr], y[tr], [C[i] for i in tr], [row_key[i] for i in tr])
         return {"qrf": m_new, "qrf_v1": m_old}
 
     def bound_rows(models: dict[str, LengthPredictor], tr: np.ndarray, te: np.ndarray,
-                   raw: dict[str, np.ndarray], spread: dict[str, np.ndarray]) -> None:
+                   raw: dict[str, np.ndarray], spread: dict[str, np.ndarray], empirical: bool = True) -> None:
         prompts = [all_ex[int(idx[i])].prompt or "" for i in te]
         for name, m in models.items():
             X = m._assemble(P[te], G[te], [C[i] for i in te], m.memory_features(prompts))
             raw[name][te], spread[name][te] = m.predict_bounds(X)
+        if not empirical:
+            return
         y0 = y[tr][ks[tr] == 0]
         for k in EVAL_KS:
             pool = y0[y0 > k]
@@ -165,8 +175,20 @@ def run_eval(train_files: list[Path], test_files: list[Path], quantile: float, o
         spread = {m: np.ones(len(y)) for m in METHODS}
         models = fit_pair(tr)
         bound_rows(models, tr, te, raw, spread)
-        splits["known_prompts"] = {"raw": raw, "spread": spread, "rows": te}
         latency_model = models["qrf"]
+        # reference: the same predictor with the held-out model's responses to the other fold's prompts
+        # in training (prompt-disjoint 2-fold cross-fitting over the held-out rows)
+        raw[SEEN_MODEL], spread[SEEN_MODEL] = np.full(len(y), np.nan), np.ones(len(y))
+        held_rows = np.asarray([i for i in range(len(y)) if all_ex[int(idx[i])].model in held_out])
+        for f in range(2):
+            other = held_rows[[prompt_fold(row_key[i], seed + 1, 2) != f for i in held_rows]]
+            te_f = te[[prompt_fold(row_key[i], seed + 1, 2) == f for i in te]]
+            if len(other) == 0 or len(te_f) == 0:
+                continue
+            tick(f"known prompts, the held-out model seen on other prompts: fold {f + 1}/2")
+            m_seen = fit_pair(np.concatenate([tr, other]), previous=False)["qrf"]
+            bound_rows({SEEN_MODEL: m_seen}, tr, te_f, raw, spread, empirical=False)
+        splits["known_prompts"] = {"raw": raw, "spread": spread, "rows": te}
 
     def group_of(i: int) -> str:
         return "in_distribution" if all_ex[int(idx[i])].model in train_gens else "held_out_model"
@@ -180,7 +202,7 @@ def run_eval(train_files: list[Path], test_files: list[Path], quantile: float, o
         for g in gens.values():
             g.sort(key=lambda i: (int(idx[i]), ks[i]))
         res_split: dict[str, Any] = {}
-        for name in METHODS:
+        for name in sp["raw"]:
             unc = np.asarray([finalize_bound(float(v), int(k), None) if np.isfinite(v) else np.nan
                               for v, k in zip(sp["raw"][name], ks, strict=True)])
             cal = _stream(gens, sp["raw"][name], sp["spread"][name], ks, y, idx, quantile, step, warmup)
@@ -363,7 +385,7 @@ def _plot(res: dict[str, Any], path: Path) -> None:
         for grp, by_m in groups.items():
             if grp != "held_out_model":
                 continue
-            for name in METHODS:
+            for name in by_m:
                 by_k = by_m[name]["calibrated"]
                 ks = [int(k) for k, s in by_k.items() if s.get("n")]
                 lab = f"{name} ({split})"
