@@ -168,6 +168,31 @@ def test_non_streaming_request_is_aborted_when_its_client_disconnects() -> None:
         assert not eng._running and not eng._waiting  # and nothing is left running in the engine
 
 
+def test_queued_stream_is_aborted_when_its_client_leaves_before_the_first_token() -> None:
+    eng = FakeEngine(eos_after=100_000, step_s=0.05, batch_size=1)  # one slot, held for 75 s below
+    with serve(eng) as (url, state):
+        with httpx.Client(timeout=120) as c:
+            # a stream holds the only slot...
+            with c.stream("POST", url + "/v1/chat/completions",
+                          json={"model": "fake", "messages": MSG, "max_tokens": 1500, "stream": True}) as busy:
+                assert busy.status_code == 200
+                # ...so this best-effort stream (no admission deadline: it would wait for the slot) is queued,
+                # and its client gives up before any byte of the answer
+                with pytest.raises(httpx.ReadTimeout):
+                    with httpx.stream("POST", url + "/v1/chat/completions", timeout=httpx.Timeout(1.0),
+                                      json={"model": "fake", "messages": MSG, "max_tokens": 8, "stream": True,
+                                            "slo": {"kind": "best_effort"}}):
+                        pass
+                queued = [rid for rid in eng.requests if rid not in {r.request.request_id for r in eng._running}]
+                assert len(queued) == 1
+                t0 = time.time()
+                while (eng._waiting or queued[0] in state.live) and time.time() - t0 < 10:
+                    time.sleep(0.05)
+                assert not eng._waiting and queued[0] not in state.live  # left the queue, never prefilled
+                assert any(e[1] == "abort" and e[2] == queued[0] and "tokens=0" in e[3] for e in state.events)
+                assert len(eng._running) == 1 and state.in_flight == 1  # the other stream is untouched
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"messages": [{"role": "user", "content": "a \ud800 lone surrogate"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages[0].content"),

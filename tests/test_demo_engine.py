@@ -55,6 +55,13 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
     for side in ("vllm", "gmax"):
         probe = report["speed_probe_tbt_s"][side]
         assert probe["before"] > 0 and probe["after"] > 0
+    # Where the time went, per side: every step counted once, the phases at least as long as their runs.
+    timings = report["timings_s"]
+    for side in ("vllm", "gmax"):
+        assert set(timings[side]) == {"server_start_s", "warmup_s", "capacity_s", "warm_engine_s", "probes_s",
+                                      "phases_s", "stop_s"}
+        assert timings[side]["phases_s"] >= sum(by[(side, p)]["wall"] for p in ("normal", "burst"))
+    assert sum(sum(t.values()) for t in timings.values()) <= report["wall_s"]
     # The burst phase offers more than the normal phase.
     n_normal, n_burst = (sum(report["phases"][i]["counts"].values()) for i in (0, 1))
     assert n_burst > n_normal

@@ -89,6 +89,31 @@ def test_sync_429_then_ok_is_retried():
     assert r.content == "tok tok " and script.count == 2
 
 
+def test_a_retry_keeps_the_callers_deadline():
+    server = FakeServer()
+    script = Script(server, rejected("1"))
+    with sync_client(server) as client:
+        client.chat.completions.create(model="demo", messages=MSG, max_tokens=2, slo=jitflow.Deadline(30))
+    first, retry = (b["slo"] for b in script.bodies)
+    waited = script.times[1] - script.times[0]
+    assert first["deadline"] == 30 and waited >= 1.0
+    # the server measures from the retry's arrival: it gets what is left of the caller's 30 s
+    assert retry["deadline"] == pytest.approx(30 - waited, abs=0.05) and retry["kind"] == "deadline"
+
+
+@pytest.mark.anyio
+async def test_a_retried_latency_call_keeps_its_token_due_times():
+    server = FakeServer()
+    script = Script(server, rejected("1"))
+    async with async_client(server) as client:
+        await client.chat.completions.create(model="demo", messages=MSG, max_tokens=2,
+                                             slo=jitflow.Latency(ttft=5, tbt=0.2))
+    first, retry = (b["slo"] for b in script.bodies)
+    waited = script.times[1] - script.times[0]
+    assert retry["ttft"] == pytest.approx(5 - waited, abs=0.05) and retry["tbt"] == first["tbt"] == 0.2
+    assert {k: v for k, v in retry.items() if k != "ttft"} == {k: v for k, v in first.items() if k != "ttft"}
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("first", [
     rejected("0", status=503),

@@ -326,7 +326,7 @@ class AsyncClient(_BaseClient):
             # one try, up to the response headers: a 429/503 here is retried (no body read yet)
             policy.started()
             request = self._http.build_request(
-                "POST", path, json=body, headers={**headers, **(extra_headers or {})},
+                "POST", path, json=policy.body_for_attempt(body), headers={**headers, **(extra_headers or {})},
                 timeout=_NOT_GIVEN if timeout is None else timeout,
             )
             try:
@@ -456,7 +456,7 @@ class Client(_BaseClient):
             # one try, up to the response headers: a 429/503 here is retried (no body read yet)
             policy.started()
             request = self._http.build_request(
-                "POST", path, json=body, headers={**headers, **(extra_headers or {})},
+                "POST", path, json=policy.body_for_attempt(body), headers={**headers, **(extra_headers or {})},
                 timeout=_NOT_GIVEN if timeout is None else timeout,
             )
             try:

@@ -25,6 +25,7 @@ RETRY_STATUSES = frozenset({429, 503})
 INITIAL_RETRY_DELAY = 0.5  # s: first back-off when the server sent no Retry-After; doubles per retry
 MAX_BACKOFF = 8.0  # s: cap of that back-off
 MAX_RETRY_DELAY = 60.0  # s: cap of any wait, Retry-After included
+MIN_RETRY_SLO_S = 0.001  # s: floor of a retry's shortened deadline / TTFT (the server needs a value > 0)
 
 logger = logging.getLogger("jitflow")
 
@@ -74,6 +75,7 @@ class RetryPolicy:
         self.span = span
         self.attempts = 0
         self._delay: tuple[int, float] | None = None
+        self._first_sent: float | None = None  # unix s: when the first attempt was sent
 
     @classmethod
     def for_call(cls, max_retries: int, call: LLMCall) -> RetryPolicy:
@@ -87,6 +89,29 @@ class RetryPolicy:
         if call.task is not None and call.stage is not None and not call.stage.best_effort:
             bounds.append(call.task.deadline_at)
         return cls(max_retries, min(bounds, default=None), f"{call.operation} {call.model}", call._span)
+
+    def body_for_attempt(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The request body of the attempt about to be sent: ``body`` itself the first time; on a retry a
+        copy whose ``slo`` keeps the client's own due times. The server measures an SLO from the arrival
+        of the request it receives, so a retry that resent ``deadline: 28.6`` after 20 s of waiting would
+        be scheduled, admitted and reported as met against a deadline 20 s later than the caller's. A
+        retry's ``deadline`` and ``ttft`` are therefore shortened by the seconds since the first attempt
+        was sent (floored at 1 ms: the server then judges it infeasible and says so); token ``i`` of a
+        latency SLO stays due at ``first send + ttft + (i−1)·tbt``."""
+        now = time.time()
+        if self._first_sent is None:
+            self._first_sent = now
+            return body
+        slo = body.get("slo")
+        if not isinstance(slo, dict):
+            return body
+        elapsed = now - self._first_sent
+        shifted = dict(slo)
+        for key in ("deadline", "ttft"):
+            val = slo.get(key)
+            if isinstance(val, (int, float)) and not isinstance(val, bool):
+                shifted[key] = max(float(val) - elapsed, MIN_RETRY_SLO_S)
+        return {**body, "slo": shifted}
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments for ``tenacity.Retrying`` / ``AsyncRetrying``."""

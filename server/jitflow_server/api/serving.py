@@ -10,6 +10,7 @@ an SSE stream carrying the measured ``jitflow`` timing object (TTFT, TBT, E2EL, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -221,7 +222,7 @@ async def start_call(state: ServerState, body, prompt_ids: list[int], request: R
     state.waiting_first_token += 1
     state.live[rid] = call
     try:
-        first = await call.first()
+        first = await _first_event(call, request)
     except BaseException as exc:
         state.waiting_first_token -= 1
         state.in_flight -= 1
@@ -279,6 +280,28 @@ class _Finisher:
 def _usage(call: LiveCall) -> dict[str, int]:
     n_in, n_out = call.timing.prompt_tokens, len(call.timing.token_times)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+async def _first_event(call: LiveCall, request: Request):
+    """``call.first()`` (admission control included), or ``APIError(499)`` once the client has disconnected
+    while the call waited for its first token (checked every :data:`DISCONNECT_POLL_S`). Without the check
+    a stream whose client gave up stayed queued until the engine ran its prefill: measured on the demo
+    engine, 45 requests abandoned at once took 8.5 s of engine time to leave, one batch of prefills at a
+    time; with it they leave within the poll interval and none of them is prefilled."""
+    waiting = asyncio.ensure_future(call.first())
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection before the first token",
+                               type="client_closed_request", code="client_disconnected")
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await waiting
 
 
 async def _next_event(call: LiveCall, request: Request):

@@ -208,7 +208,7 @@ def _warmup(url: str) -> None:
         httpx.post(url + "/v1/chat/completions", json={**body, "model": model}, timeout=120)
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
         httpx.post(url + "/v1/chat/completions", json={
-            **body, "model": model, "max_tokens": 100,
+            **body, "model": model, "max_tokens": 16,
             "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}, timeout=120)
 
 
@@ -338,6 +338,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         runs: list[Any] = []
         served: dict[str, Any] = {}
         speed: dict[str, dict[str, float | None]] = {}
+        timings: dict[str, dict[str, float]] = {}
         cap: Capacity | None = None
         phases: list[Phase] = []
         for k, side in enumerate(sides):
@@ -350,10 +351,12 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                 srv = _start_server(side, opts, tmp, length, patterns)
             _wait_healthy(srv, side.label, opts.startup_timeout, console)
             startup = time.monotonic() - t_srv
+            clock = _Stopwatch(startup)
             state = _engine_state(srv.base_url)
             console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s "
                           f"({'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})")
             _warmup(srv.base_url)
+            clock.lap("warmup_s")
             if cap is None:
                 cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console)
                 phases = _phases(opts, cap)
@@ -370,8 +373,11 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                   f"({ph.plan.prompt_source} prompts, {ph.plan.arrival_source} arrivals)")
             # Every side gets the same warm-up right before its phases (on a machine's first run the
             # baseline's engine also ran the capacity measurement before it).
+            clock.lap("capacity_s")
             _warm_engine(srv.base_url, opts, shapes, console)
+            clock.lap("warm_engine_s")
             probe = {"before": speed_probe(srv.base_url, opts.model)}
+            clock.lap("probes_s")
             served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
                                   if side.scheduler == "jitflow" else None)
             for ph in phases:
@@ -383,11 +389,16 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                     f"{srv.log_tail()}")
                 print_summary(run, console)
                 runs.append(run)
+                clock.lap("phases_s")
             _wait_idle(srv.base_url)
             probe["after"] = speed_probe(srv.base_url, opts.model)
+            clock.lap("probes_s")
             speed[side.label] = probe
             srv.stop()
             srv = None
+            timings[side.label] = clock.lap("stop_s")
+            console.print(f"{side.label}: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f} s"
+                                                        for k, v in timings[side.label].items()))
         assert cap is not None
         report = build_report(opts, cap, phases, sides, runs, length, served, REPORT_VERSION)
         report["speed_probe_tbt_s"] = speed
@@ -395,6 +406,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         report["slo_reference_step_s"] = REFERENCE_STEP_S
         report["speed_warning"] = speed_warning(speed)
         report["wall_s"] = time.monotonic() - t_start
+        report["timings_s"] = timings
         print_comparison(report, console)
         _write(report, opts.out, console)
         keep_logs = report["failed_tasks"] > 0
@@ -415,6 +427,20 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                     (logs / f.name).write_text(f.read_text(errors="replace"))
                 console.print(f"[yellow]server logs kept in {logs}[/yellow]")
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Stopwatch:
+    """Seconds spent per step of one side (``lap(name)`` adds the time since the last lap to ``name``)."""
+
+    def __init__(self, server_start_s: float) -> None:
+        self.laps: dict[str, float] = {"server_start_s": server_start_s}
+        self._t = time.monotonic()
+
+    def lap(self, name: str) -> dict[str, float]:
+        now = time.monotonic()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self._t
+        self._t = now
+        return self.laps
 
 
 #: Largest spread of the speed probes across the sides before the report warns that the machine's speed

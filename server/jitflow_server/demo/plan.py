@@ -160,8 +160,10 @@ TOT_PUZZLES = [
 
 # ---------------------------------------------------------------------- plan
 #: Agent tasks start within this share of a phase (when their deadline is longer than the phase). A
-#: phase lasts until its last task ends (45-65 s after it starts on a 2-core CPU), so this share bounds
-#: the demo's run time: 0.5 made it 6.5 min, 0.4 keeps it under 6.
+#: phase lasts until its last task ends, and a task runs for most of its deadline under load (50-76 s
+#: of 64-86 s on a 2-core float32 Xeon). 0.5 made the demo 6.5 min; 0.2 (tasks start within 8 s of a
+#: 40 s phase) saved only 15 s a run there, and the earlier starts crowd the burst's first seconds, so
+#: 0.4 stays.
 TASK_START_SHARE = 0.4
 
 
