@@ -15,7 +15,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -282,32 +282,10 @@ def _usage(call: LiveCall) -> dict[str, int]:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
-async def _first_event(call: LiveCall, request: Request):
-    """``call.first()`` (admission control included), or ``APIError(499)`` once the client has disconnected
-    while the call waited for its first token (checked every :data:`DISCONNECT_POLL_S`). Without the check
-    a stream whose client gave up stayed queued until the engine ran its prefill: measured on the demo
-    engine, 45 requests abandoned at once took 8.5 s of engine time to leave, one batch of prefills at a
-    time; with it they leave within the poll interval and none of them is prefilled."""
-    waiting = asyncio.ensure_future(call.first())
-    try:
-        while True:
-            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return waiting.result()
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the connection before the first token",
-                               type="client_closed_request", code="client_disconnected")
-    finally:
-        if not waiting.done():
-            waiting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await waiting
-
-
-async def _next_event(call: LiveCall, request: Request):
-    """The call's next queue event, or ``None`` once its client has disconnected (checked whenever no event
-    came for :data:`DISCONNECT_POLL_S`)."""
-    waiting = asyncio.ensure_future(call.next())
+async def _until_disconnect(aw: Awaitable[Any], request: Request) -> Any:
+    """The result of ``aw``, or ``None`` once the client has disconnected (checked whenever ``aw`` has not
+    finished for :data:`DISCONNECT_POLL_S`); ``aw`` is then cancelled and awaited."""
+    waiting = asyncio.ensure_future(aw)
     try:
         while True:
             done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
@@ -318,6 +296,26 @@ async def _next_event(call: LiveCall, request: Request):
     finally:
         if not waiting.done():
             waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await waiting
+
+
+async def _first_event(call: LiveCall, request: Request):
+    """``call.first()`` (admission control included), or ``APIError(499)`` once the client has disconnected
+    while the call waited for its first token. Without the check a stream whose client gave up stayed
+    queued until the engine ran its prefill: measured on the demo engine, 45 requests abandoned at once
+    took 8.5 s of engine time to leave, one batch of prefills at a time; with it they leave within
+    :data:`DISCONNECT_POLL_S` and none of them is prefilled."""
+    ev = await _until_disconnect(call.first(), request)
+    if ev is None:
+        raise APIError(499, "the client closed the connection before the first token",
+                       type="client_closed_request", code="client_disconnected")
+    return ev
+
+
+async def _next_event(call: LiveCall, request: Request):
+    """The call's next queue event, or ``None`` once its client has disconnected."""
+    return await _until_disconnect(call.next(), request)
 
 
 async def respond_json(state: ServerState, started: Started, chat: bool, request: Request) -> dict:
