@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from jitflow_server.scheduler import GMAXPolicy, Kind, RequestView, SchedContext
 
 V, DELTA, PREFILL = 0.01, 50, 1000.0
@@ -162,26 +160,3 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     # long ones keep most of the discount: only their 112-token tail is charged in full
     assert not admitted(1520, 5000.0, apc=False, block=None)
     assert admitted(1520, 5000.0, apc=True, block=128)
-
-
-def test_free_pause_non_latency_pauses_deadline_work_but_prices_a_chat_pause_as_a_recompute():
-    """The default ``free_pause="non_latency"``: with room in the KV cache a displaced deadline request is
-    paused at no stall, while pausing a chat request (whose token timeline the pause delays) is priced
-    like a recompute, so the same swap is refused for it."""
-    kv = int(2 * break_even_kv())  # above break-even: a priced pause keeps the running request
-    roomy = ctx(kv_capacity_tokens=10**7)
-    assert GMAXPolicy().params.free_pause == "non_latency"
-    deadline_run = policy(free_pause="non_latency").schedule([running(kv), waiting()], roomy)
-    assert deadline_run.batch == ["W"] and deadline_run.preempt == []
-    chat = RequestView("R", Kind.LATENCY, 0.0, 10, 10, 1000, True, kv_tokens=kv, ttft=1.0, tbt=0.5)
-    free = policy(free_pause="all").schedule([chat, waiting()], roomy)
-    assert free.batch == ["W"] and free.preempt == []  # the swap is worth it when the pause is free
-    priced = policy(free_pause="non_latency").schedule([chat, waiting()], roomy)
-    assert priced.batch == ["R"] and priced.info["swapped_back"] == 1
-
-
-def test_free_pause_accepts_its_modes_and_bools_and_rejects_anything_else():
-    assert GMAXPolicy(free_pause=True).params.free_pause == "all"
-    assert GMAXPolicy(free_pause=False).params.free_pause == "none"
-    with pytest.raises(ValueError, match="free_pause"):
-        GMAXPolicy(free_pause="sometimes")

@@ -34,9 +34,7 @@ from jitflow_server.scheduler.adapt import CutoffAdapter
 from jitflow_server.scheduler.gmax_estimates import Estimates, estimate_speeds, fill_nan, group_max
 from jitflow_server.scheduler.gmax_params import GMAXParams
 from jitflow_server.scheduler.snapshot import (
-    BEST_EFFORT,
     COMPOUND,
-    LATENCY,
     Snapshot,
     SnapshotCache,
     build_snapshot,
@@ -371,10 +369,6 @@ class GMAXPolicy:
                 # `new` against `free` spare tokens, about new/free of them is reused per frame
                 free = ctx.kv_capacity_tokens - held - new
                 evict_risk = min(1.0, prm.evict_frames * new / max(free, 1.0))
-        # kinds whose pause (KV kept) costs no stall (GMAXParams.free_pause), indexed by kind code
-        free_kind = np.full(BEST_EFFORT + 1, prm.free_pause != "none")
-        if prm.free_pause == "non_latency":
-            free_kind[LATENCY] = False
         swapped = 0
         free_slots = ctx.batch_size - n_batch
         keep: list[int] = []
@@ -393,7 +387,7 @@ class GMAXPolicy:
             if not admitted:
                 break
             a = admitted[0]
-            paused = fits and free_kind[snap.kind[d]] and int(d) not in must_free
+            paused = fits and prm.free_pause and int(d) not in must_free
             block = ctx.kv_block_size if prm.block_pricing else None
             stall = 0.0 if paused else recompute_tokens(float(snap.kv_tokens[d]), evict_risk, block) / rate
             gain = (prio[a] - prio[d]) * frame_s

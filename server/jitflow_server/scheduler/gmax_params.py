@@ -12,9 +12,6 @@ import numpy as np
 from jitflow_server.scheduler.snapshot import Snapshot
 from jitflow_server.scheduler.types import SchedContext
 
-#: Values of :attr:`GMAXParams.free_pause`: which displaced running requests pause at zero stall when KV fits.
-FREE_PAUSE = ("none", "non_latency", "all")
-
 #: A fairness score ``(snapshot, ctx) -> array of N in [0, 1]`` (1 = most deserving), JITServe §4.3.
 FairFn = Callable[[Snapshot, SchedContext], np.ndarray]
 
@@ -36,19 +33,13 @@ class GMAXParams:
       overload and the batch rotates (recompute thrashing, 29–47 % of FCFS throughput in the
       simulator); "arrival" lets old running best-effort requests outgrow a fresh deadline request
       and pause it (seen on the real engine); "waiting" avoids both (tests/test_scheduler_thrash.py).
-    - ``free_pause`` ["non_latency"]: when the KV of everything fits, a displaced running request is only
-      paused (its KV stays). "all" (or True) prices every such pause at zero stall (only the margin guards
-      the swap); "none" (or False) prices it like a recompute (``kv_tokens / prefill_rate``);
-      "non_latency" prices the pause of a deadline, compound or best-effort request at zero and a latency
-      request's like a recompute. With JIT ranking a chat request with slack is deferred, and a free pause
-      lets every urgent arrival push it out until its token timeline breaks (A100 preset: chat attainment
-      0.94 → 0.51); a deadline or compound request only needs to finish by its due time, and a free pause
-      lets the policy start a call (prefill) before admission control rejects it, then pause it for a
-      more urgent one, as Tempo's free pauses do. Measured with ``jitflow bench tune`` (docs/scheduling.md,
-      "Free pauses"): "non_latency" against "none", GMAX / best of Tempo and SJF, token / request goodput,
-      A100 preset at 2 and 2.6 req/s 0.94 / 0.98 and 0.95 / 1.01 against 0.90 / 0.97 and 0.96 / 1.05;
-      AVX-512 CPU preset at 10 req/s 1.45 / 1.10 against 1.10 / 1.02. The weakest displaced requests that
-      do not fit ``max_running`` are always priced as a recompute and preempted by the policy itself.
+    - ``free_pause`` [False]: when the KV of everything fits, a displaced running request is only
+      paused; True prices that pause at zero stall (only the margin guards the swap), False prices it
+      like a recompute (``kv_tokens / prefill_rate``): with JIT ranking a paused request comes back
+      when its laxity shrinks and paused requests beyond ``SchedContext.max_running`` are preempted
+      anyway, so free pauses churn (measured, docs/benchmarks-history.md "How the JIT ranking was chosen": False gives 5–45 %
+      more goodput). The weakest displaced requests that do not fit ``max_running`` are always priced
+      as a recompute and preempted by the policy itself.
     - ``fairness`` [0.0]: f of ``(1−f)·priority + f·Fair(r)`` (§4.3); 0 disables the blend.
     - ``fair_fn`` [None]: ``(snapshot, ctx) -> array in [0, 1]`` (1 = most deserving); default is
       ``1 − attained/max(attained)`` (least attained service first, VTC-like).
@@ -202,7 +193,7 @@ class GMAXParams:
     use_true_len: bool = False
     full_priorities: bool = False
     starvation_clock: str = "waiting"
-    free_pause: bool | str = "non_latency"
+    free_pause: bool = False
     stall_value: str = "goodput"
     request_weight: float = 1.5
     future_margin: float = 1.0
@@ -250,10 +241,6 @@ class GMAXParams:
             raise ValueError(f"admit_horizon must be >= 0 s, got {self.admit_horizon}")
         if self.jit_horizon <= 0 or self.jit_fill < 0:
             raise ValueError(f"jit_horizon must be > 0 frames and jit_fill >= 0, got {self.jit_horizon}, {self.jit_fill}")
-        if isinstance(self.free_pause, bool):
-            self.free_pause = "all" if self.free_pause else "none"
-        if self.free_pause not in FREE_PAUSE:
-            raise ValueError(f"free_pause must be one of {FREE_PAUSE} (or a bool), got {self.free_pause!r}")
         if self.stall_value not in ("goodput", "tokens"):
             raise ValueError(f"stall_value must be 'goodput' or 'tokens', got {self.stall_value!r}")
         if self.preempt_margin < 0:
