@@ -19,6 +19,8 @@ from jitflow_server.bench.sim_report import (
     write_sim_report,
 )
 
+#: Requests (jobs) per load of an evaluation workload; ``bench tune`` tunes on workloads of the same length.
+DEFAULT_REQUESTS = 3000
 DEFAULT_POLICIES = "gmax,fcfs,sarathi,sjf,las,edf,slos-serve,qlm,tempo,vllm-priority,oracle"
 PRESET_DEFAULTS = {
     # loads from below to 2× the preset's capacity on the 1:1:1 mix (capacity_rps in the headline)
@@ -235,7 +237,7 @@ def register(bench_app: typer.Typer) -> None:
                                      "gmax-age (δ aged from arrival), gmax-noadmit / fcfs-noadmit (no admission "
                                      "control); POLICY+truth runs POLICY with true lengths and task graphs."),
         rps: Optional[str] = typer.Option(None, "--rps", help="Comma-separated loads (requests/s); default per preset."),
-        requests: int = typer.Option(3000, "--requests", min=1, help="Requests (jobs) per load."),
+        requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests (jobs) per load."),
         seed: int = typer.Option(0, "--seed", help="Seed of workloads and length-bound noise."),
         data: Optional[Path] = typer.Option(None, "--data", help="Trace directory (default ../shared/data if present)."),
         arrivals: str = typer.Option("poisson", "--arrivals", help="poisson | azure (trace timestamps rescaled)."),
