@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -17,6 +18,10 @@ def test_bench_sim_writes_results_and_plots(tmp_path):
         "--requests", "24", "--no-ablation", "--tightness-sweep", "1.0", "--mix-sweep", "1:0:0",
         "--sweep-requests", "12", "--data", str(tmp_path), "--out", str(out)])
     assert r.exit_code == 0, r.output
+    # not a terminal: one progress line per simulation, numbered up to the total (rich would draw nothing)
+    steps = re.findall(r"^\[(\d+)/(\d+)\] ", r.output, flags=re.M)
+    assert steps and [int(k) for k, _ in steps] == list(range(1, len(steps) + 1))
+    assert {int(n) for _, n in steps} == {len(steps)}
     res = json.loads((out / "results.json").read_text())
     assert set(res["main"]) == {"0.5", "2.0"}
     for k, runs in res["main"].items():
@@ -118,6 +123,8 @@ def test_bench_tune_reports_ratios_against_the_best_other_policy(tmp_path):
         "bench", "tune", "--preset", "cpu-demo", "--grid", "request_weight=0,1", "--rps", "3", "--seeds", "100,101",
         "--requests", "30", "--others", "fcfs,sjf", "--data", str(tmp_path), "--out", str(out)])
     assert r.exit_code == 0, r.output
+    assert "[1/8] seed 100, 3.0 rps: fcfs (" in r.output  # progress off a terminal: a line per simulation
+    assert "[8/8] {'request_weight': 1}: seed 101, 3.0 rps (" in r.output
     res = json.loads((out / "tune.json").read_text())
     assert [row["params"] for row in res["rows"]] == [{"request_weight": 0}, {"request_weight": 1}]
     assert res["config"]["seeds"] == [100, 101] and res["config"]["admission"] == "shared"

@@ -286,10 +286,10 @@ def register(bench_app: typer.Typer) -> None:
     ) -> None:
         """Simulate GMAX and the baselines on the mixed workload; write results and plots."""
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         from jitflow_server.bench.estimates import ANALYZER_MODES, LENGTH_MODES
         from jitflow_server.bench.presets import load_preset
+        from jitflow_server.bench.progress import step_progress
         from jitflow_server.bench.runner import check_variants
         from jitflow_server.bench.workload import WorkloadError, parse_mix
         from jitflow_server.engine.step_model import PresetError
@@ -341,11 +341,8 @@ def register(bench_app: typer.Typer) -> None:
         if trace is not None and not trace.is_file():
             raise typer.BadParameter(f"{trace} is not a file", param_hint="--trace")
         ticks = count_runs(pols, rps_list, ablation, t_list, mix_list, seeds, sizes)
-        cols = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn())
         try:
-            with Progress(*cols, transient=True) as prog:
-                prog.add_task("simulating", total=ticks)
+            with step_progress(ticks, "simulating") as prog:
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
                                     mix_list, sw_n, sweep_rps, gparams, prog, admission, age_boost, seeds,

@@ -168,8 +168,8 @@ def register(bench_app: typer.Typer) -> None:
     ) -> None:
         """Choose GMAX's parameters on tuning seeds (not the evaluation's) against the other policies."""
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+        from jitflow_server.bench.progress import step_progress
         from jitflow_server.bench.runner import check_variants
         from jitflow_server.bench.sim_cli import parse_floats, resolve_data
 
@@ -185,11 +185,8 @@ def register(bench_app: typer.Typer) -> None:
         for v in g.values():
             n_set *= len(v)
         ticks = len(seed_l) * len(rps_l) * (len(others_l) + n_set)
-        cols = (TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn())
         try:
-            with Progress(*cols, transient=True) as prog:
-                prog.add_task("tuning", total=ticks)
+            with step_progress(ticks, "tuning", width=40) as prog:
                 res = run_tuning(preset, g, rps_l, seed_l, requests, others_l, resolve_data(data), request_floor, prog,
                                  length_bound)
         except (ValueError, FileNotFoundError) as e:
