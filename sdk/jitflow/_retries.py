@@ -75,7 +75,7 @@ class RetryPolicy:
         self.span = span
         self.attempts = 0
         self._delay: tuple[int, float] | None = None
-        self._first_sent: float | None = None  # unix s: when the first attempt was sent
+        self._first_sent: float | None = None  # unix s: when the first attempt started (set by started())
 
     @classmethod
     def for_call(cls, max_retries: int, call: LLMCall) -> RetryPolicy:
@@ -98,14 +98,10 @@ class RetryPolicy:
         retry's ``deadline`` and ``ttft`` are therefore shortened by the seconds since the first attempt
         was sent (floored at 1 ms: the server then judges it infeasible and says so); token ``i`` of a
         latency SLO stays due at ``first send + ttft + (i−1)·tbt``."""
-        now = time.time()
-        if self._first_sent is None:
-            self._first_sent = now
-            return body
         slo = body.get("slo")
-        if not isinstance(slo, dict):
+        if self.attempts <= 1 or self._first_sent is None or not isinstance(slo, dict):
             return body
-        elapsed = now - self._first_sent
+        elapsed = time.time() - self._first_sent
         shifted = dict(slo)
         for key in ("deadline", "ttft"):
             val = slo.get(key)
@@ -119,8 +115,10 @@ class RetryPolicy:
                     reraise=True)
 
     def started(self) -> None:
-        """Count an attempt (call at the start of each one)."""
+        """Count an attempt (call at the start of each one, before :meth:`body_for_attempt`)."""
         self.attempts += 1
+        if self.attempts == 1:
+            self._first_sent = time.time()
         if self.attempts > 1 and self.span is not None:
             self.span.set_attribute("jitflow.attempts", self.attempts)
 

@@ -27,7 +27,13 @@ from typing import Optional
 
 import typer
 
-from jitflow_server.bench.sim_cli import DEFAULT_REQUESTS
+from jitflow_server.bench.sim_cli import (
+    DEFAULT_REQUESTS,
+    PRESET_DEFAULTS,
+    parse_floats,
+    resolve_data,
+    resolve_length_bound,
+)
 
 OTHERS = "fcfs,sjf,las,edf"
 
@@ -61,7 +67,6 @@ def run_tuning(preset: str, grid: dict[str, list], rps_list: list[float], seeds:
     Raises ``ValueError`` for an unknown policy or GMAX parameter."""
     from jitflow_server.bench.presets import load_preset
     from jitflow_server.bench.runner import RunSettings, run_sim_one
-    from jitflow_server.bench.sim_cli import PRESET_DEFAULTS, resolve_length_bound
     from jitflow_server.bench.workload import DataSources, make_workload
     from jitflow_server.scheduler import make_policy
 
@@ -171,7 +176,6 @@ def register(bench_app: typer.Typer) -> None:
 
         from jitflow_server.bench.progress import step_progress
         from jitflow_server.bench.runner import check_variants
-        from jitflow_server.bench.sim_cli import parse_floats, resolve_data
 
         g = parse_grid(grid)
         others_l = [p.strip() for p in others.split(",") if p.strip()]
