@@ -178,3 +178,48 @@ def test_load_examples_alpaca_and_telemetry(tmp_path) -> None:
         load_examples([bad], counter=REGEX)
     with pytest.raises(FileNotFoundError):
         load_examples([tmp_path / "nope.json"], counter=REGEX)
+
+
+def test_fitting_on_threads_builds_the_same_model(fitted: LengthPredictor) -> None:
+    """``fit_jobs`` only spreads the tree building over threads: the bounds are the same to the bit, and a
+    kept forest predicts in the caller's thread afterwards."""
+    prompts, lengths, outputs = synth(600, 0)
+    threaded = LengthPredictor(0.9, n_estimators=30, counter=REGEX, refine_grid=(50, 100, 200), keep_forest=True,
+                               fit_jobs=2).fit(prompts, lengths, outputs=outputs)
+    test = synth(80, 5)[0]
+    assert np.array_equal(threaded.predict(test), fitted.predict(test))
+    for k in (60, 150):
+        assert np.array_equal(threaded.predict(test, generated_tokens=[k] * len(test)),
+                              fitted.predict(test, generated_tokens=[k] * len(test)))
+    assert threaded.forest.n_jobs == 1
+
+
+def test_train_length_command_records_the_app_and_rejects_bad_jobs(tmp_path) -> None:
+    """``jitflow analyzer train-length``: ``--app`` reaches the AlpacaEval rows' context; ``--jobs 0`` is a
+    usage error naming the option."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from jitflow_server.analyzer import length_cli
+
+    prompts, lengths, outputs = synth(120, 6)
+    data = tmp_path / "alpaca.json"
+    data.write_text(json.dumps([{"instruction": p, "output": o, "generator": "m1"}
+                                for p, o in zip(prompts, outputs, strict=True)]))
+    tel = tmp_path / "chat.jsonl"  # rows of another app: a field with one value is dropped as uninformative
+    tel.write_text("".join(json.dumps(telemetry_record(output_len=n, prompt=p, app="chat")) + "\n"
+                           for p, n in zip(*synth(60, 7)[:2], strict=True)))
+    app = typer.Typer()
+    length_cli.register(app)
+    app.command("noop")(lambda: None)  # a second command keeps train-length a subcommand
+    out = tmp_path / "m.pkl"
+    runner = CliRunner()
+    res = runner.invoke(app, ["train-length", "--data", str(data), "--data", str(tel), "--out", str(out),
+                              "--app", "support", "--n-estimators", "5", "--jobs", "2"])
+    assert res.exit_code == 0, res.output
+    model = LengthPredictor.load(out)
+    assert set(model.context_encoder.vocab["app"]) == {"support", "chat"}
+    bad = runner.invoke(app, ["train-length", "--data", str(data), "--out", str(tmp_path / "x.pkl"), "--jobs", "0"])
+    assert bad.exit_code == 2 and "--jobs" in bad.output and not (tmp_path / "x.pkl").exists()

@@ -113,7 +113,7 @@ class LengthPredictor:
                  refine_grid: Sequence[int] = DEFAULT_REFINE_GRID, log_target: bool = True, cv_folds: int = 2,
                  random_state: int = 0, counter: TokenCounter | None = None, keep_forest: bool = False,
                  text_memory: bool = True, memory_k: int = 8, memory_similarity: float = 0.9,
-                 spread_scaled: bool = True) -> None:
+                 spread_scaled: bool = True, fit_jobs: int = 1) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {quantile}")
         if n_estimators < 1:
@@ -128,6 +128,10 @@ class LengthPredictor:
         self.text_memory = bool(text_memory)
         self.memory_k = int(memory_k)
         self.spread_scaled = bool(spread_scaled)
+        #: threads that build the trees while fitting (scikit-learn's ``n_jobs``; -1: one per core). The trees
+        #: are the same for any value (each tree's seed is drawn from ``random_state`` first); prediction
+        #: never uses them (:class:`CompiledForest` runs in the caller's thread).
+        self.fit_jobs = int(fit_jobs)
         #: the prompt memory (``None``: not used, or no training prompt text)
         self.memory: PromptMemory | None = None
         self.random_state = random_state
@@ -210,7 +214,8 @@ class LengthPredictor:
     def _make_forest(self) -> Any:
         from quantile_forest import RandomForestQuantileRegressor
 
-        return RandomForestQuantileRegressor(random_state=self.random_state, n_jobs=1, **self.params)
+        return RandomForestQuantileRegressor(random_state=self.random_state, n_jobs=getattr(self, "fit_jobs", 1),
+                                             **self.params)
 
     # -- training -----------------------------------------------------------------------------------
     def fit(self, prompts: Sequence[str] | None, lengths: Sequence[int] | None,
@@ -298,6 +303,7 @@ class LengthPredictor:
                     theta[b] = float(np.quantile(score, self.quantile, method="higher"))
         forest = self._make_forest()
         forest.fit(X, target)
+        forest.n_jobs = 1  # a kept forest predicts in the caller's thread, whatever it was fitted with
         return CompiledForest(forest), theta, forest
 
     def _memory_cols(self) -> slice:
