@@ -34,6 +34,28 @@ def test_capacity_measurement_on_the_real_engine(server_url):
     assert not st.get("unfinished") and not st.get("server_in_flight")
 
 
+def test_capacity_window_opens_only_when_ready(server_url):
+    """``ready`` holds the counting window shut after the warm-up (the demo trains its length model
+    meanwhile): the measurement lasts warm-up + the wait + the window, and counts only the window."""
+    import time
+
+    patterns = sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
+    shapes = mix_shapes([("Say hello.", 16)], [("Explain a bit.", 24)], task_calls(patterns))
+    t0 = time.monotonic()
+    polls = []
+
+    def ready() -> bool:
+        polls.append(time.monotonic() - t0)
+        return polls[-1] >= 3.0
+
+    cap = measure_capacity(server_url, "tiny", shapes, key="test", batch_size=4, warmup=1.0, window=2.0,
+                           ready=ready)
+    elapsed = time.monotonic() - t0
+    assert polls[0] < 3.0 <= polls[-1] and len(polls) >= 5
+    assert elapsed >= 5.0  # 1 s warm-up, held until 3 s, then a 2 s window
+    assert cap.requests > 0 and cap.out_tok_s > 0 and cap.window_s == 2.0
+
+
 def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
     slos = DemoConfig(chat_tokens=(8, 24), deadline_tokens=(8, 24), research_deadline=60, tot_deadline=60, grace=20)
     opts = DemoOptions(model="tiny", phase_duration=4.0, capacity_scale=4.0, slos=slos, seed=3,

@@ -23,14 +23,21 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from jitflow_server.demo.plan import BASE_MIX, BaseMix
 
-#: Bump when the measurement changes meaning (old cache entries are then ignored).
-CALIBRATION_VERSION = 1
+#: Bump when the measurement changes meaning (old cache entries are then ignored). 2: 20 s warm-up.
+CALIBRATION_VERSION = 2
+#: Seconds of closed-loop load before the counting window opens. The loop starts with 2·B requests at
+#: once, and their prompts (agent stages of up to thousands of tokens) take the engine's first seconds
+#: to prefill: measured three times each on a fresh server of the demo model (float32, 2 cores), a 6 s
+#: warm-up read 142-175 output tok/s on the first measurement and up to 213 on later ones (±15 %),
+#: a 20 s warm-up 172-183 every time.
+CAPACITY_WARMUP_S = 20.0
 DEFAULT_CACHE = Path("~/.cache/jitflow/demo-capacity.json")
 #: CPU flags that change the engine's speed (native bf16, AVX-512, AMX).
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
@@ -180,7 +187,8 @@ async def _stream_one(client: Any, path: str, body: dict[str, Any], chunks: list
 
 
 async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: int, warmup: float,
-                   window: float, seed: int, vocab: int) -> tuple[float, float, int]:
+                   window: float, seed: int, vocab: int, ready: Callable[[], bool] | None = None,
+                   max_wait: float = 120.0) -> tuple[float, float, int]:
     import anyio
     import httpx
 
@@ -191,11 +199,11 @@ async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: i
     streams: list[list[Any]] = []  # [chunk times, completion tokens per chunk or None]
     tbts: list[float] = []
     t_start = time.monotonic()
-    t_end = t_start + warmup + window
+    span = {"lo": t_start + warmup, "hi": t_start + warmup + window}  # the window, moved while not ready
 
     async def worker(client: httpx.AsyncClient, k: int) -> None:
         await anyio.sleep(k * 0.05)  # stagger the first wave
-        while time.monotonic() < t_end:
+        while time.monotonic() < span["hi"]:
             s = rng.choices(shapes, weights)[0]
             if s.text is not None:
                 path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": s.text}]}
@@ -215,11 +223,17 @@ async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: i
 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120, connect=10),
                                  limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        with anyio.move_on_after(warmup + window):  # in-flight requests are cancelled (and aborted) at the end
-            async with anyio.create_task_group() as tg:
-                for k in range(concurrency):
-                    tg.start_soon(worker, client, k)
-    lo, hi = t_start + warmup, t_end
+        async with anyio.create_task_group() as tg:
+            for k in range(concurrency):
+                tg.start_soon(worker, client, k)
+            await anyio.sleep(warmup)
+            while ready is not None and not ready() and time.monotonic() < t_start + warmup + max_wait:
+                await anyio.sleep(0.2)
+            span["lo"] = time.monotonic()
+            span["hi"] = span["lo"] + window
+            await anyio.sleep(window)
+            tg.cancel_scope.cancel()  # in-flight requests are cancelled (and aborted) at the end
+    lo, hi = span["lo"], span["hi"]
     ratios = [r for _, r in streams if r is not None]
     mean_ratio = statistics.fmean(ratios) if ratios else 1.0
     toks = sum(sum(lo <= t <= hi for t in ch) * (r if r is not None else mean_ratio) for ch, r in streams)
@@ -230,9 +244,13 @@ async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: i
 
 
 def measure_capacity(url: str, model: str, shapes: list[CallShape], *, key: str, batch_size: int,
-                     warmup: float = 6.0, window: float = 16.0, seed: int = 0) -> Capacity:
+                     warmup: float = CAPACITY_WARMUP_S, window: float = 16.0, seed: int = 0,
+                     ready: Callable[[], bool] | None = None) -> Capacity:
     """Measure the engine behind ``url`` on ``shapes`` (``2·batch_size`` requests in flight for
     ``warmup + window`` seconds; the requests still in flight are then cancelled) and return the capacity.
+
+    ``ready``: polled after the warm-up; the window opens once it returns True (at most 120 s later), so
+    that work sharing the CPU during the warm-up (the demo trains its length model then) is not counted.
 
     Raises:
         RuntimeError: no request completed in the window (server overloaded or failing).
@@ -241,7 +259,8 @@ def measure_capacity(url: str, model: str, shapes: list[CallShape], *, key: str,
     import anyio
 
     vocab = 2000  # prompt token ids are drawn below the demo tokenizer's vocabulary (2,359 entries)
-    out_tok_s, step_s, n = anyio.run(_measure, url, model, shapes, 2 * batch_size, warmup, window, seed, vocab)
+    out_tok_s, step_s, n = anyio.run(_measure, url, model, shapes, 2 * batch_size, warmup, window, seed, vocab,
+                                     ready)
     demand = mix_demand(shapes)
     return Capacity(key=key, out_tok_s=out_tok_s, step_s=step_s, demand_tok_s=demand, scale=out_tok_s / demand,
                     requests=n, window_s=window, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

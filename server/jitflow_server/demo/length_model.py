@@ -42,6 +42,10 @@ class LengthModelJob:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
+    def done(self) -> bool:
+        """True when no training subprocess is running (finished, failed, or the model was cached)."""
+        return self.proc is None or self.proc.poll() is not None
+
     def wait(self, timeout: float = 600.0) -> None:
         """Wait for the training subprocess (no-op when the model was cached).
 

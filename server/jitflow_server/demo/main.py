@@ -24,6 +24,7 @@ from typing import Any
 
 from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 from jitflow_server.demo.calibrate import (
+    CAPACITY_WARMUP_S,
     DEFAULT_CACHE,
     CallShape,
     Capacity,
@@ -91,7 +92,8 @@ class DemoOptions:
         normal_load, burst_load: phase loads as multiples of the measured capacity.
         capacity_scale: skip the measurement and use this capacity (load-scale units).
         recalibrate: measure even if the cache has this machine.
-        calibration_window: seconds of the capacity measurement (after a 4 s warm-up).
+        calibration_window: seconds of the capacity measurement (after its warm-up,
+            ``calibrate.CAPACITY_WARMUP_S``).
         slos: SLOs, token ranges and chat grace of every phase (rates and counts are set per phase).
         seed: seed of the plans (normal phase ``seed``, burst ``seed + 1``).
         out: report JSON path (``.md`` and ``.png`` next to it).
@@ -252,7 +254,18 @@ def speed_probe(url: str, model: str) -> float | None:
     return sorted(tbts)[len(tbts) // 2] if tbts else None
 
 
-def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any) -> Capacity:
+def _wait_length_model(length: LengthModelJob, console: Any) -> None:
+    """Block until the length model is trained (at once when it was cached or is done). Raises
+    :class:`DemoError` when training failed."""
+    if not length.done():
+        with console.status(f"training the length model ({length.source_kind}) ..."):
+            length.wait()
+    else:
+        length.wait()
+
+
+def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
+              ready: Any = None) -> Capacity:
     key = machine_key(opts.model, dtype, opts.batch_size)
     if opts.capacity_scale is not None:
         d = mix_demand(shapes)
@@ -264,10 +277,10 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
                       f"(cached {cap.measured_at}; --recalibrate to measure again)")
         return cap
     with console.status(f"measuring this machine's capacity: {2 * opts.batch_size} requests of the demo mix in "
-                        f"flight for {opts.calibration_window + 6:.0f} s ..."):
+                        f"flight for {opts.calibration_window + CAPACITY_WARMUP_S:.0f} s ..."):
         try:
             cap = measure_capacity(url, opts.model, shapes, key=key, batch_size=opts.batch_size,
-                                   window=opts.calibration_window, seed=opts.seed)
+                                   window=opts.calibration_window, seed=opts.seed, ready=ready)
         except RuntimeError as exc:
             raise DemoError(f"capacity measurement failed: {exc}") from None
     save_cached(cap, opts.capacity_cache)
@@ -343,12 +356,13 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         phases: list[Phase] = []
         for k, side in enumerate(sides):
             t_srv = time.monotonic()
-            if k == 0:
-                srv = _start_server(side, opts, tmp, None if side.scheduler == "vllm" else length, patterns)
-                with console.status(f"training the length model ({length.source_kind}) ..."):
-                    length.wait()
-            else:
-                srv = _start_server(side, opts, tmp, length, patterns)
+            # The length model trains while the first server starts and, on a machine's first run, while
+            # the capacity measurement warms up (its window opens only once training has ended); a server
+            # that serves with the model waits for it.
+            needs_model = side.scheduler != "vllm"
+            if needs_model or k > 0:
+                _wait_length_model(length, console)
+            srv = _start_server(side, opts, tmp, length if needs_model else None, patterns)
             _wait_healthy(srv, side.label, opts.startup_timeout, console)
             startup = time.monotonic() - t_srv
             clock = _Stopwatch(startup)
@@ -359,7 +373,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             clock.lap("warmup_s")
             just_measured = False
             if cap is None:
-                cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console)
+                cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console, ready=length.done)
                 just_measured = not cap.cached
                 phases = _phases(opts, cap)
                 f, s = slo_factor(opts, cap), phases[0].cfg
@@ -376,6 +390,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             # Every side runs the demo mix closed-loop right before its phases: the warm-up, or on a
             # machine's first run the capacity measurement that just ran the same mix for longer (the
             # warm-up after it would add 7 s to a first run that must stay within 6 minutes).
+            _wait_length_model(length, console)  # nothing else may share the CPU from here on
             clock.lap("capacity_s")
             if not just_measured:
                 _warm_engine(srv.base_url, opts, shapes, console)
