@@ -84,6 +84,8 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
                                       "phases_s", "stop_s"}
         assert timings[side]["phases_s"] >= sum(by[(side, p)]["wall"] for p in ("normal", "burst"))
     assert sum(sum(t.values()) for t in timings.values()) <= report["wall_s"]
+    # The GMAX server started while the stock side started and was waiting, healthy, when its turn came.
+    assert timings["gmax"]["server_start_s"] < 2.0 <= timings["vllm"]["server_start_s"]
     # The burst phase offers more than the normal phase.
     n_normal, n_burst = (sum(report["phases"][i]["counts"].values()) for i in (0, 1))
     assert n_burst > n_normal

@@ -44,7 +44,8 @@ class LengthModelJob:
 
     def done(self) -> bool:
         """True when no training subprocess is running (finished, failed, or the model was cached)."""
-        return self.proc is None or self.proc.poll() is not None
+        proc = self.proc  # read once: :meth:`wait` may clear it from another thread
+        return proc is None or proc.poll() is not None
 
     def wait(self, timeout: float = 600.0) -> None:
         """Wait for the training subprocess (no-op when the model was cached).

@@ -1,11 +1,13 @@
 """``jitflow demo`` end to end: length model, capacity, two phases under two schedulers, report.
 
-1. The length model is trained once (or reused from its cache) while the first server starts.
+1. The length model is trained once (or reused from its cache) while the first server starts; the
+   second side's server starts in the background as soon as the model exists (``servers.py``), before
+   anything is measured on the first side.
 2. The first server (the baseline) starts; the engine's capacity on the demo's mix is measured on it
    (or read from the per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase
    (1.5×). The SLOs scale with the measured step time too (:func:`slo_factor`): the load and the SLOs
    are then the same for the engine whatever the CPU.
-3. Each side (baseline, then jitflow) gets a fresh server, fresh pattern history (``patterns/*.jsonl``)
+3. Each side (baseline, then jitflow) gets its own server, fresh pattern history (``patterns/*.jsonl``)
    and the identical plans (same arrivals, prompts, tasks). Between phases the engine drains.
 4. The report compares the sides per phase (``report.py``).
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
+from jitflow_server.bench.server_process import ServerProcess
 from jitflow_server.demo.calibrate import (
     CAPACITY_WARMUP_S,
     DEFAULT_CACHE,
@@ -48,6 +50,7 @@ from jitflow_server.demo.plan import (
 )
 from jitflow_server.demo.report import build_report, print_comparison, print_summary, write_markdown
 from jitflow_server.demo.runner import _import_examples, run_load
+from jitflow_server.demo.servers import EarlyServer, start_server, wait_healthy, wait_length_model
 
 #: Report format version (docs/quickstart.md describes the schema).
 REPORT_VERSION = 2
@@ -158,30 +161,6 @@ class Phase:
     plan: Plan
 
 
-def _start_server(side: Side, opts: DemoOptions, tmp: Path, length: LengthModelJob | None,
-                  patterns: list[Path]) -> ServerProcess:
-    port = free_port()
-    args = ["--model", opts.model, "--port", str(port), "--batch-size", str(opts.batch_size), *side.serve_args(),
-            "--history-db", str(tmp / f"history-{side.label}.sqlite")]
-    for p in patterns:
-        args += ["--patterns", str(p)]
-    env = {"JITFLOW_TELEMETRY": str(tmp / f"telemetry-{side.label}.jsonl")}
-    if length is not None:
-        env["JITFLOW_LENGTH_MODEL"] = str(length.path)
-    srv = ServerProcess(jitflow_command("serve", *args), tmp / f"server-{side.label}.log", env=env,
-                        startup_timeout=opts.startup_timeout)
-    srv.start()
-    return srv
-
-
-def _wait_healthy(srv: ServerProcess, what: str, timeout: float, console: Any) -> float:
-    with console.status(f"starting the {what} server (vLLM engine, {srv.base_url}) ..."):
-        try:
-            return srv.wait_healthy(timeout)
-        except ServerStartError as exc:
-            raise DemoError(str(exc)) from None
-
-
 def _engine_state(url: str) -> dict[str, Any]:
     import httpx
 
@@ -252,16 +231,6 @@ def speed_probe(url: str, model: str) -> float | None:
                                                          "max_tokens": PROBE_TOKENS, "ignore_eos": True}, timeout=60)
             tbts.append(float(r.json()["jitflow"]["tbt_mean"]))
     return sorted(tbts)[len(tbts) // 2] if tbts else None
-
-
-def _wait_length_model(length: LengthModelJob, console: Any) -> None:
-    """Block until the length model is trained (at once when it was cached or is done). Raises
-    :class:`DemoError` when training failed."""
-    if not length.done():
-        with console.status(f"training the length model ({length.source_kind}) ..."):
-            length.wait()
-    else:
-        length.wait()
 
 
 def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
@@ -341,6 +310,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="jitflow-demo-"))
     length: LengthModelJob | None = None
     srv: ServerProcess | None = None
+    early: EarlyServer | None = None
     keep_logs = False
     try:
         length = start_length_model(opts.data_dir, tmp / "train-length.log", opts.model_cache)
@@ -354,16 +324,32 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         timings: dict[str, dict[str, float]] = {}
         cap: Capacity | None = None
         phases: list[Phase] = []
+
+        def launch(side: Side) -> ServerProcess:
+            return start_server(side.label, side.serve_args(), model=opts.model, batch_size=opts.batch_size,
+                                startup_timeout=opts.startup_timeout, tmp=tmp, patterns=patterns,
+                                length=length if side.scheduler != "vllm" else None)
+
         for k, side in enumerate(sides):
             t_srv = time.monotonic()
-            # The length model trains while the first server starts and, on a machine's first run, while
-            # the capacity measurement warms up (its window opens only once training has ended); a server
-            # that serves with the model waits for it.
-            needs_model = side.scheduler != "vllm"
-            if needs_model or k > 0:
-                _wait_length_model(length, console)
-            srv = _start_server(side, opts, tmp, length if needs_model else None, patterns)
-            _wait_healthy(srv, side.label, opts.startup_timeout, console)
+            if k == 0:
+                # The length model trains while this server starts (and, on a machine's first run, while
+                # the capacity measurement warms up); a server that serves with the model waits for it.
+                if side.scheduler != "vllm":
+                    wait_length_model(length, console)
+                srv = launch(side)
+                if len(sides) > 1:  # servers.py: its start-up overlaps this side's, never a measurement
+                    early = EarlyServer(lambda s=sides[1]: launch(s), length, sides[1].label, opts.startup_timeout)
+                wait_healthy(srv, side.label, opts.startup_timeout, console)
+            elif early is not None:
+                srv = early.join()
+                console.print(f"[bold]{side.label}[/bold] server started while the {sides[0].label} side started: "
+                              f"healthy {early.healthy_after_s:.0f} s after that side's launch")
+                early = None
+            else:
+                wait_length_model(length, console)
+                srv = launch(side)
+                wait_healthy(srv, side.label, opts.startup_timeout, console)
             startup = time.monotonic() - t_srv
             clock = _Stopwatch(startup)
             state = _engine_state(srv.base_url)
@@ -373,7 +359,8 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             clock.lap("warmup_s")
             just_measured = False
             if cap is None:
-                cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console, ready=length.done)
+                cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console,
+                                ready=lambda e=early: length.done() and (e is None or e.ready.is_set()))
                 just_measured = not cap.cached
                 phases = _phases(opts, cap)
                 f, s = slo_factor(opts, cap), phases[0].cfg
@@ -390,7 +377,10 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             # Every side runs the demo mix closed-loop right before its phases: the warm-up, or on a
             # machine's first run the capacity measurement that just ran the same mix for longer (the
             # warm-up after it would add 7 s to a first run that must stay within 6 minutes).
-            _wait_length_model(length, console)  # nothing else may share the CPU from here on
+            wait_length_model(length, console)  # nothing else may share the CPU from here on
+            if early is not None:
+                with console.status(f"starting the {early.what} server ..."):
+                    early.ready.wait()
             clock.lap("capacity_s")
             if not just_measured:
                 _warm_engine(srv.base_url, opts, shapes, console)
@@ -434,6 +424,8 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         keep_logs = True
         raise
     finally:
+        if early is not None:
+            early.close()
         if srv is not None:
             srv.stop()
         if length is not None:
