@@ -1,8 +1,8 @@
 """``jitflow demo`` end to end: length model, capacity, two phases under two schedulers, report.
 
-1. The length model is trained once (or reused from its cache) while the first server starts; the
-   second side's server starts in the background as soon as the model exists (``servers.py``), before
-   anything is measured on the first side.
+1. The length model is trained once (or reused from its cache) while the first server starts; when it
+   was cached, the second side's server starts at the same time, in the background (``servers.py``),
+   and is healthy before anything is measured on the first side.
 2. The first server (the baseline) starts; the engine's capacity on the demo's mix is measured on it
    (or read from the per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase
    (1.5×). The SLOs scale with the measured step time too (:func:`slo_factor`): the load and the SLOs
@@ -333,12 +333,12 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         for k, side in enumerate(sides):
             t_srv = time.monotonic()
             if k == 0:
-                # The length model trains while this server starts (and, on a machine's first run, while
-                # the capacity measurement warms up); a server that serves with the model waits for it.
+                # The length model trains while this server starts; a server that serves with the model
+                # waits for it. With the model cached, the second side's server starts now too.
                 if side.scheduler != "vllm":
                     wait_length_model(length, console)
                 srv = launch(side)
-                if len(sides) > 1:  # servers.py: its start-up overlaps this side's, never a measurement
+                if len(sides) > 1 and length.done():  # servers.py: overlaps this start-up, never a measurement
                     early = EarlyServer(lambda s=sides[1]: launch(s), length, sides[1].label, opts.startup_timeout)
                 wait_healthy(srv, side.label, opts.startup_timeout, console)
             elif early is not None:
