@@ -104,9 +104,12 @@ class LengthPredictor:
     "Length upper bound").
 
     Feature matrix columns: prompt features, prefix features, memory features, request features
-    (``max_tokens``, response format), one-hot context (app, kind, stage, model).
-    Raises ``ValueError`` for bad arguments.
+    (``max_tokens``, response format), one-hot context (app, kind, stage, model). ``fit_jobs``: threads that
+    build the trees (scikit-learn's ``n_jobs``, -1: one per core); the trees are the same for any value and
+    prediction never uses them. Raises ``ValueError`` for bad arguments.
     """
+
+    fit_jobs = 1  # models pickled before ``fit_jobs`` existed
 
     def __init__(self, quantile: float = DEFAULT_QUANTILE, *, n_estimators: int = 100, max_depth: int | None = 30,
                  min_samples_leaf: int = 5, max_samples_leaf: int | None = 64, max_features: float = 0.33,
@@ -128,9 +131,6 @@ class LengthPredictor:
         self.text_memory = bool(text_memory)
         self.memory_k = int(memory_k)
         self.spread_scaled = bool(spread_scaled)
-        #: threads that build the trees while fitting (scikit-learn's ``n_jobs``; -1: one per core). The trees
-        #: are the same for any value (each tree's seed is drawn from ``random_state`` first); prediction
-        #: never uses them (:class:`CompiledForest` runs in the caller's thread).
         self.fit_jobs = int(fit_jobs)
         #: the prompt memory (``None``: not used, or no training prompt text)
         self.memory: PromptMemory | None = None
@@ -153,7 +153,6 @@ class LengthPredictor:
         self.train_groups: list[str] | None = None
         self.meta: dict[str, Any] = {}
 
-    # -- helpers ------------------------------------------------------------------------------------
     @property
     def counter(self) -> TokenCounter:
         """The :class:`TokenCounter` used for prompt/prefix token counts."""
@@ -214,10 +213,8 @@ class LengthPredictor:
     def _make_forest(self) -> Any:
         from quantile_forest import RandomForestQuantileRegressor
 
-        return RandomForestQuantileRegressor(random_state=self.random_state, n_jobs=getattr(self, "fit_jobs", 1),
-                                             **self.params)
+        return RandomForestQuantileRegressor(random_state=self.random_state, n_jobs=self.fit_jobs, **self.params)
 
-    # -- training -----------------------------------------------------------------------------------
     def fit(self, prompts: Sequence[str] | None, lengths: Sequence[int] | None,
             context: Sequence[Mapping[str, Any] | None] | None = None, *, outputs: Sequence[str] | None = None,
             examples: Sequence[LengthExample] | None = None) -> LengthPredictor:
@@ -387,7 +384,6 @@ class LengthPredictor:
         new.n_train_examples = len(examples) + (self.n_train_examples if keep_previous else 0)
         return new
 
-    # -- prediction ---------------------------------------------------------------------------------
     def features(self, prompts: Sequence[str], generated: Sequence[str] | None = None,
                  context: Sequence[Mapping[str, Any] | None] | None = None,
                  generated_tokens: Sequence[int] | None = None, prompt_tokens: Sequence[int] | None = None,
@@ -484,7 +480,6 @@ class LengthPredictor:
         caps = list(max_tokens) if max_tokens is not None else [None] * len(prompts)
         return np.asarray([finalize_bound(r, int(k), c) for r, k, c in zip(raw, ks, caps, strict=True)], dtype=np.int64)
 
-    # -- persistence (length_io.py) -----------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Pickle the predictor with its version stamp to ``path`` (atomic rename). Returns the path.
 

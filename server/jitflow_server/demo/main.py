@@ -1,8 +1,7 @@
 """``jitflow demo`` end to end: length model, capacity, two phases under two schedulers, report.
 
-1. The length model is trained once (or reused from its cache) while the first server starts; when it
-   was cached, the second side's server starts at the same time, in the background (``servers.py``),
-   and is healthy before anything is measured on the first side.
+1. The length model is trained once (or reused from its cache) while the first server starts; the
+   capacity window opens only once training has ended.
 2. The first server (the baseline) starts; the engine's capacity on the demo's mix is measured on it
    (or read from the per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase
    (1.5×). The SLOs scale with the measured step time too (:func:`slo_factor`): the load and the SLOs
@@ -50,7 +49,7 @@ from jitflow_server.demo.plan import (
 )
 from jitflow_server.demo.report import build_report, print_comparison, print_summary, write_markdown
 from jitflow_server.demo.runner import _import_examples, run_load
-from jitflow_server.demo.servers import EarlyServer, start_server, wait_healthy, wait_length_model
+from jitflow_server.demo.servers import start_server, wait_healthy, wait_length_model
 
 #: Report format version (docs/quickstart.md describes the schema).
 REPORT_VERSION = 2
@@ -310,7 +309,6 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="jitflow-demo-"))
     length: LengthModelJob | None = None
     srv: ServerProcess | None = None
-    early: EarlyServer | None = None
     keep_logs = False
     try:
         length = start_length_model(opts.data_dir, tmp / "train-length.log", opts.model_cache)
@@ -332,24 +330,12 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
 
         for k, side in enumerate(sides):
             t_srv = time.monotonic()
-            if k == 0:
-                # The length model trains while this server starts; a server that serves with the model
-                # waits for it. With the model cached, the second side's server starts now too.
-                if side.scheduler != "vllm":
-                    wait_length_model(length, console)
-                srv = launch(side)
-                if len(sides) > 1 and length.done():  # servers.py: overlaps this start-up, never a measurement
-                    early = EarlyServer(lambda s=sides[1]: launch(s), length, sides[1].label, opts.startup_timeout)
-                wait_healthy(srv, side.label, opts.startup_timeout, console)
-            elif early is not None:
-                srv = early.join()
-                console.print(f"[bold]{side.label}[/bold] server started while the {sides[0].label} side started: "
-                              f"healthy {early.healthy_after_s:.0f} s after that side's launch")
-                early = None
-            else:
+            # The length model trains while the first server starts; a server that serves with the model
+            # waits for it (one server at a time: servers.py says why).
+            if side.scheduler != "vllm" or k > 0:
                 wait_length_model(length, console)
-                srv = launch(side)
-                wait_healthy(srv, side.label, opts.startup_timeout, console)
+            srv = launch(side)
+            wait_healthy(srv, side.label, opts.startup_timeout, console)
             startup = time.monotonic() - t_srv
             clock = _Stopwatch(startup)
             state = _engine_state(srv.base_url)
@@ -360,7 +346,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             just_measured = False
             if cap is None:
                 cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console,
-                                ready=lambda e=early: length.done() and (e is None or e.ready.is_set()))
+                                ready=length.done)
                 just_measured = not cap.cached
                 phases = _phases(opts, cap)
                 f, s = slo_factor(opts, cap), phases[0].cfg
@@ -378,9 +364,6 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             # machine's first run the capacity measurement that just ran the same mix for longer (the
             # warm-up after it would add 7 s to a first run that must stay within 6 minutes).
             wait_length_model(length, console)  # nothing else may share the CPU from here on
-            if early is not None:
-                with console.status(f"starting the {early.what} server ..."):
-                    early.ready.wait()
             clock.lap("capacity_s")
             if not just_measured:
                 _warm_engine(srv.base_url, opts, shapes, console)
@@ -424,8 +407,6 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         keep_logs = True
         raise
     finally:
-        if early is not None:
-            early.close()
         if srv is not None:
             srv.stop()
         if length is not None:

@@ -1,21 +1,14 @@
-"""The demo's server processes: starting them, waiting for them, and starting the second one early.
+"""The demo's server processes: starting one per side, waiting for it, and for the length model.
 
-The demo runs its phases on one server per side (stock vLLM, then GMAX). Starting a vLLM server takes
-about 30 s on 2 cores, most of it Python imports on one core, and the GMAX server needs the length model
-that trains during the first server's start. :class:`EarlyServer` starts the second side's server in a
-background thread as soon as its length model exists, so that its start-up overlaps the first side's
-start-up and capacity warm-up instead of adding to the run (a 6-minute budget on a machine's first
-run). It never overlaps anything measured: the first side waits for it to be healthy before its
-capacity window opens and before its own warm-up and phases. Idle, a started server used 0.02 CPU
-seconds per second (measured over 15 s on the demo model), and it keeps its KV cache allocated
-(4 GiB on the demo model) while the first side runs.
+One server runs at a time (a vLLM server start takes about 30 s on 2 cores). Starting the second side's
+server together with the first, in the background, was measured and not kept: with the length model
+cached, both were healthy after 55-57 s, against about 29 s each one after the other (the start-up
+uses both cores), and the idle server then sat through the first side's phases.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,70 +52,3 @@ def wait_length_model(length: LengthModelJob, console: Any) -> None:
             length.wait()
     else:
         length.wait()
-
-
-class _Cancelled(Exception):
-    pass
-
-
-class EarlyServer:
-    """A server started in a background thread once ``length`` is trained (module docstring).
-
-    ``start`` spawns the process (:func:`start_server` with its arguments bound). :attr:`ready` is set
-    when the server answers ``/health`` or the start failed; :meth:`join` returns the server (raises
-    :class:`DemoError` when it failed), :meth:`close` stops the thread and the server (idempotent). The
-    thread is owned by whoever created this object and never outlives :meth:`close`.
-    """
-
-    def __init__(self, start: Callable[[], ServerProcess], length: LengthModelJob, what: str,
-                 timeout: float) -> None:
-        self._start, self._length, self.what, self._timeout = start, length, what, timeout
-        self.srv: ServerProcess | None = None
-        self.error: BaseException | None = None
-        self.started_after_s: float | None = None  # s after this object was made
-        self.healthy_after_s: float | None = None
-        self.ready = threading.Event()
-        self._cancel = threading.Event()
-        self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name=f"demo-{what}-server", daemon=True)
-        self._thread.start()
-
-    def _check_cancel(self, _elapsed: float = 0.0) -> None:
-        if self._cancel.is_set():
-            raise _Cancelled
-
-    def _run(self) -> None:
-        try:
-            while not self._length.done():
-                self._check_cancel()
-                time.sleep(0.2)
-            if not self._length.path.is_file():
-                raise DemoError("the length model was not trained; the server that needs it was not started")
-            self._check_cancel()
-            self.srv = self._start()
-            self.started_after_s = time.monotonic() - self._t0
-            self.srv.wait_healthy(self._timeout, on_poll=self._check_cancel)
-            self.healthy_after_s = time.monotonic() - self._t0
-        except BaseException as exc:  # reported by join(); the thread must not die silently
-            self.error = exc
-        finally:
-            self.ready.set()
-
-    def join(self) -> ServerProcess:
-        """Wait for the server to be healthy and return it. Raises :class:`DemoError` when its start
-        failed (the log tail included)."""
-        self._thread.join()
-        if isinstance(self.error, ServerStartError):
-            raise DemoError(str(self.error))
-        if self.error is not None:
-            raise self.error if isinstance(self.error, DemoError) else DemoError(
-                f"starting the {self.what} server failed: {self.error!r}")
-        assert self.srv is not None
-        return self.srv
-
-    def close(self) -> None:
-        """Stop the start-up thread and the server, if any (idempotent)."""
-        self._cancel.set()
-        self._thread.join()
-        if self.srv is not None:
-            self.srv.stop()
