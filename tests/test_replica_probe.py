@@ -71,3 +71,21 @@ def test_serve_refuses_a_bad_replica_list(tmp_path):
     assert r.exit_code == 2 and "lists no replica URL" in r.output
     r = CliRunner().invoke(app, ["serve", "--model", "tiny", "--replica", "http://127.0.0.1:9", "--router", "random"])
     assert r.exit_code == 2 and "goodput" in r.output
+
+
+def test_serve_binds_its_port_before_the_engine_starts_and_names_a_taken_port():
+    import socket
+
+    from typer.testing import CliRunner
+
+    from jitflow_server.cli import app
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        # both server kinds refuse a taken port naming the flag, before any engine or prober starts
+        for extra in (["--replica", "http://127.0.0.1:9"], []):
+            r = CliRunner().invoke(app, ["serve", "--model", "tiny", "--port", port, *extra])
+            assert r.exit_code == 2, r.output
+            assert "cannot listen on 127.0.0.1:" + port in r.output and "--port" in r.output

@@ -8,6 +8,7 @@ They sit above the API and the engine and wire the two together: the API is writ
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +44,23 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for uvicorn to serve on (it calls ``listen``).
+
+    Raises :class:`typer.BadParameter` naming ``--port`` when the address is taken or cannot be bound.
+    uvicorn's own ``Config.bind_socket`` would do the same but exits the process on error.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise typer.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror or exc}", param_hint="--port") from None
+    return sock
 
 
 def served_policies() -> list[str]:
@@ -190,6 +208,7 @@ def register(app: typer.Typer) -> None:
             for u in urls:
                 if not u.startswith(("http://", "https://")):
                     raise typer.BadParameter(f"{u!r} is not an http(s) URL", param_hint="--replica")
+            sock = listen_socket(host, port)
             typer.echo(f"jitflow: routing ({router}) over {len(urls)} replicas of {name}: {', '.join(urls)}; "
                        f"listening on http://{host}:{port}", err=True)
             served_engine = RemoteEngine(RouterConfig(replicas=urls, model=path, served_name=name,
@@ -198,16 +217,21 @@ def register(app: typer.Typer) -> None:
             cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
                                batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                dtype=dtype, scheduler=scheduler, vllm_metrics=vllm_metrics)
+            # Bound before the app's start-up builds the engine: uvicorn binds only after its lifespan
+            # start-up, and vLLM's engine start opens local ports of its own meanwhile; one of them once
+            # took the port a parent had just found free, and the server exited "address already in use".
+            sock = listen_socket(host, port)
             what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
             typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
             start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
             served_engine = VLLMEngine(cfg)
-        uvicorn.run(create_app(served_engine, settings, owns_engine=True), host=host, port=port,
-                    log_level=log_level, timeout_graceful_shutdown=drain_timeout,
-                    # longer than clients keep idle connections (httpx: 5 s), so a client never sends a
-                    # request on a connection the server is closing (uvicorn's default is also 5 s: a
-                    # demo task failed on that race with ReadError)
-                    timeout_keep_alive=75)
+        config = uvicorn.Config(create_app(served_engine, settings, owns_engine=True), host=host, port=port,
+                                log_level=log_level, timeout_graceful_shutdown=drain_timeout,
+                                # longer than clients keep idle connections (httpx: 5 s), so a client never
+                                # sends a request on a connection the server is closing (uvicorn's default
+                                # is also 5 s: a demo task failed on that race with ReadError)
+                                timeout_keep_alive=75)
+        uvicorn.Server(config).run(sockets=[sock])
 
     @app.command("vllm-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def vllm_serve(
