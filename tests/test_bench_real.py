@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 from jitflow_server.bench.engine_cli import policy_params
 from jitflow_server.bench.fidelity_cli import fidelity_diff
 from jitflow_server.bench.metrics import summarize
 from jitflow_server.bench.real import BenchServer, EngineBenchError, task_key
-from jitflow_server.bench.server_process import free_port
+from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port
 
 
 def test_server_process_reports_a_failed_start_and_leaves_nothing_behind(tmp_path):
@@ -30,6 +31,39 @@ def test_free_port_is_bindable():
     p = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", p))
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), H).serve_forever()
+"""
+
+
+def test_a_server_whose_port_was_taken_restarts_on_another(tmp_path):
+    import socket
+    import sys
+
+    script = tmp_path / "health.py"
+    script.write_text(HEALTH_SERVER)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        srv = ServerProcess([sys.executable, str(script), "--port", str(taken)], tmp_path / "s.log",
+                            startup_timeout=60)
+        with srv:
+            assert srv.port != taken and srv.base_url.endswith(f":{srv.port}")
+            assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 200
+        # without retries the taken port is an error with the server's own message
+        stuck = ServerProcess([sys.executable, str(script), "--port", str(taken)], tmp_path / "t.log",
+                              startup_timeout=60, port_retries=0)
+        with pytest.raises(ServerStartError, match="(?i)address already in use"):
+            stuck.__enter__()
 
 
 def _rec(kind, met, good, out, ttft=0.1, e2el=1.0):

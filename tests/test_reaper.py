@@ -1,5 +1,6 @@
 """No orphans after ``kill -9``: the watcher kills a dead server's descendants (a plain process tree, and a
-real ``jitflow serve`` with its vLLM engine-core and worker processes)."""
+real ``jitflow serve`` with its vLLM engine-core and worker processes) and removes vLLM's IPC socket files,
+after a kill and after a graceful stop."""
 
 from __future__ import annotations
 
@@ -25,6 +26,31 @@ def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proce
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.2)
     return alive
+
+
+def _sockets_left(folder, timeout: float) -> list[str]:
+    """Socket files under ``folder`` (vLLM's IPC endpoints), waiting up to ``timeout`` s for them to go."""
+    import stat
+    from pathlib import Path
+
+    t0 = time.monotonic()
+    while True:
+        left = [str(p) for p in Path(folder).rglob("*") if p.exists() and stat.S_ISSOCK(p.lstat().st_mode)]
+        if not left or time.monotonic() - t0 > timeout:
+            return left
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary folder with a short path (a Unix socket path holds at most 107 characters)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp(prefix="jt-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_children_of_a_killed_parent_are_reaped(tmp_path):
@@ -56,11 +82,13 @@ def test_children_of_a_killed_parent_are_reaped(tmp_path):
 
 
 @pytest.mark.engine
-def test_engine_processes_die_with_a_killed_server(tmp_path):
+def test_engine_processes_die_with_a_killed_server(tmp_path, short_tmp):
+    tmp = short_tmp  # the server's temporary folder: vLLM's IPC sockets land under it
     srv = ServerProcess(jitflow_command("serve", "--model", "tiny", "--port", str(free_port()), "--history-db",
                                        str(tmp_path / "h.sqlite"), "--no-length-predictor"),
-                        tmp_path / "server.log")
+                        tmp_path / "server.log", env={"TMPDIR": str(tmp)})
     with srv:
+        assert _sockets_left(tmp, 0.0), "vLLM's IPC sockets are expected under the server's TMPDIR"
         tree = psutil.Process(srv.proc.pid).children(recursive=True)
         names = " ".join(p.name() for p in tree)
         assert len(tree) >= 3, names  # engine core, worker(s), the watcher
@@ -68,17 +96,19 @@ def test_engine_processes_die_with_a_killed_server(tmp_path):
         srv.proc.wait(10)
         left = _wait_gone(tree, 10.0)
         assert not left, f"orphans 10 s after kill -9: {[(p.pid, p.name()) for p in left]}"
+        assert not _sockets_left(tmp, 15.0), "IPC socket files outlived the killed server"
 
 
 @pytest.mark.engine
-def test_sigterm_drains_in_flight_requests_then_stops_the_engine(tmp_path):
+def test_sigterm_drains_in_flight_requests_then_stops_the_engine(tmp_path, short_tmp):
     """SIGTERM to the server alone (what systemd and Kubernetes send): no new connections, the streaming
     request in flight runs to its end, then the server and its engine processes exit."""
     import httpx
 
+    tmp = short_tmp
     srv = ServerProcess(jitflow_command("serve", "--model", "tiny", "--port", str(free_port()), "--history-db",
                                        str(tmp_path / "h.sqlite"), "--no-length-predictor", "--drain-timeout", "60"),
-                        tmp_path / "server.log")
+                        tmp_path / "server.log", env={"TMPDIR": str(tmp)})
     with srv:
         tree = psutil.Process(srv.proc.pid).children(recursive=True)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400,
@@ -103,3 +133,26 @@ def test_sigterm_drains_in_flight_requests_then_stops_the_engine(tmp_path):
         assert srv.proc.wait(60) is not None
         left = _wait_gone(tree, 15.0)
         assert not left, f"engine processes left after the drain: {[(p.pid, p.name()) for p in left]}"
+        assert not _sockets_left(tmp, 15.0), "IPC socket files outlived the stopped server"
+
+
+def test_private_rpc_dir_keeps_an_operator_choice_and_fits_a_socket_path(monkeypatch, tmp_path):
+    import tempfile
+
+    from jitflow_server.engine.reaper import IPC_NAME_LEN, IPC_PATH_MAX, private_rpc_dir
+
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/srv/rpc")
+    assert private_rpc_dir() is None and os.environ["VLLM_RPC_BASE_PATH"] == "/srv/rpc"
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))  # a temporary folder too deep for a socket path
+    assert private_rpc_dir() is None and "VLLM_RPC_BASE_PATH" not in os.environ
+    assert list(deep.iterdir()) == []  # nothing left behind
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    d = private_rpc_dir()
+    try:
+        assert d is not None and os.environ["VLLM_RPC_BASE_PATH"] == d and os.path.isdir(d)
+        assert len(d) + IPC_NAME_LEN <= IPC_PATH_MAX
+    finally:
+        os.rmdir(d)

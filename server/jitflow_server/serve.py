@@ -147,7 +147,7 @@ def register(app: typer.Typer) -> None:
 
         from jitflow_server.api.app import ServerSettings, create_app
         from jitflow_server.engine.demo_model import resolve_model
-        from jitflow_server.engine.reaper import start_orphan_reaper
+        from jitflow_server.engine.reaper import private_rpc_dir, start_orphan_reaper
         from jitflow_server.engine.vllm_engine import DTYPES, SCHEDULERS, EngineConfig, VLLMEngine
         from jitflow_server.scheduler import POLICY_NAMES, make_policy
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
@@ -223,7 +223,8 @@ def register(app: typer.Typer) -> None:
             sock = listen_socket(host, port)
             what = "stock vLLM scheduling" if scheduler == "vllm" else f"policy {policy}"
             typer.echo(f"jitflow: starting vLLM on {path} ({what}); listening on http://{host}:{port}", err=True)
-            start_orphan_reaper()  # vLLM's engine processes die with this one, even after kill -9
+            # vLLM's engine processes die with this one, even after kill -9, and their IPC sockets go too
+            start_orphan_reaper(remove=[d for d in [private_rpc_dir()] if d])
             served_engine = VLLMEngine(cfg)
         config = uvicorn.Config(create_app(served_engine, settings, owns_engine=True), host=host, port=port,
                                 log_level=log_level, timeout_graceful_shutdown=drain_timeout,
@@ -256,7 +257,7 @@ def register(app: typer.Typer) -> None:
         import sys
 
         from jitflow_server.engine.demo_model import resolve_model
-        from jitflow_server.engine.reaper import start_orphan_reaper
+        from jitflow_server.engine.reaper import private_rpc_dir, start_orphan_reaper
         from jitflow_server.engine.vllm_engine import PLUGIN_CLS, engine_dtype, kv_cache_gib_for
         from jitflow_server.scheduler import POLICY_NAMES
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
@@ -275,5 +276,5 @@ def register(app: typer.Typer) -> None:
                "--max-num-seqs", str(2 * batch_size), "--dtype", dtype, *ctx.args]
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(round(kv_cache_gib_for(dtype, None))))
         typer.echo("jitflow: " + " ".join(cmd), err=True)
-        start_orphan_reaper()  # watches this pid, which execv keeps
+        start_orphan_reaper(remove=[d for d in [private_rpc_dir()] if d])  # watches this pid, which execv keeps
         os.execv(sys.executable, cmd)

@@ -54,12 +54,16 @@ class ServerProcess:
         log_path: file receiving stdout and stderr (``None``: discarded).
         env: extra environment variables.
         startup_timeout: seconds :meth:`__enter__` waits for ``/health``.
+        port_retries: how many times :meth:`wait_healthy` restarts the server on another free port when
+            it exited at start-up because its port was taken (seen in its log as "address already in
+            use"; needs ``log_path``). A port found free by :func:`free_port` can be taken by another
+            process before the server binds it; ``port`` and ``base_url`` follow the move.
     Use as a context manager (start, wait until healthy, stop on exit), or call :meth:`start`,
     :meth:`wait_healthy` and :meth:`stop` yourself.
     """
 
     def __init__(self, cmd: Sequence[str], log_path: Path | None = None, env: dict[str, str] | None = None,
-                 startup_timeout: float = 420.0) -> None:
+                 startup_timeout: float = 420.0, port_retries: int = 2) -> None:
         self.cmd = list(cmd)
         if "--port" not in self.cmd:
             raise ValueError("the server command needs --port")
@@ -68,6 +72,7 @@ class ServerProcess:
         self.log_path = log_path
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
+        self.port_retries = port_retries
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -107,6 +112,12 @@ class ServerProcess:
         while True:
             if on_poll is not None:
                 on_poll(time.monotonic() - t0)
+            if not self.alive() and self.port_retries > 0 and "address already in use" in self.log_tail().lower():
+                self.port_retries -= 1
+                self.stop()
+                self._move_port()
+                self.start()
+                continue
             if not self.alive():
                 code = self.proc.returncode if self.proc is not None else None
                 raise ServerStartError(f"{' '.join(self.cmd[:2])} exited with code {code} during start-up; "
@@ -118,6 +129,12 @@ class ServerProcess:
                 raise ServerStartError(f"the server did not become healthy within {timeout:.0f} s; "
                                        f"log tail:\n{self.log_tail()}")
             time.sleep(1.0)
+
+    def _move_port(self) -> None:
+        i = self.cmd.index("--port") + 1
+        self.port = free_port()
+        self.cmd[i] = str(self.port)
+        self.base_url = f"http://127.0.0.1:{self.port}"
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``timeout`` s, and reap stray workers. Idempotent."""
