@@ -35,7 +35,8 @@ CALIBRATION_VERSION = 1
 #: Seconds of closed-loop load before the counting window opens (the loop starts with 2·B requests at
 #: once). The measurement is noisy, and not from a short warm-up: on a fresh server of the demo model
 #: (float32, 2 cores), measurements in a row (fresh prompts each) read 142-213 output tok/s with 6 s and 146-197 with
-#: 20 s (which requests fall in the 16 s window: agent stages of thousands of prompt tokens, or chat).
+#: 20 s. Nor from which calls the loop draws: drawing them evenly over their sizes (a low-discrepancy
+#: sequence) read 167-214 against 152-200 for independent draws, alternating on one server.
 CAPACITY_WARMUP_S = 6.0
 DEFAULT_CACHE = Path("~/.cache/jitflow/demo-capacity.json")
 #: CPU flags that change the engine's speed (native bf16, AVX-512, AMX).
