@@ -97,6 +97,8 @@ def test_engine_processes_die_with_a_killed_server(tmp_path, short_tmp):
         left = _wait_gone(tree, 10.0)
         assert not left, f"orphans 10 s after kill -9: {[(p.pid, p.name()) for p in left]}"
         assert not _sockets_left(tmp, 15.0), "IPC socket files outlived the killed server"
+    with pytest.raises(ProcessLookupError):  # stop() returned: no process of the server's group is left
+        os.killpg(srv.proc.pid, 0)
 
 
 @pytest.mark.engine

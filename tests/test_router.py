@@ -76,7 +76,8 @@ def test_routing_follows_the_measured_speed(replicas):
         t0 = time.time()
         while not all(r["measured"] for r in _stats(url)["replicas"]) and time.time() - t0 < 30:
             time.sleep(0.5)
-        before = _stats(url)["replicas"]
+        stats0 = _stats(url)
+        before = stats0["replicas"]
         fast, slow = before
         assert fast["measured"] and slow["measured"], before
         assert fast["output_tok_s"] > 2 * slow["output_tok_s"], before
@@ -86,7 +87,10 @@ def test_routing_follows_the_measured_speed(replicas):
         after = _stats(url)
         to_fast = after["replicas"][0]["routed"] - fast["routed"]
         to_slow = after["replicas"][1]["routed"] - slow["routed"]
-        assert to_fast + to_slow == 24
+        # one attempt per call, and one more per call moved before its first token (a call that waits on
+        # the slow replica's two slots for longer than the default 2 s hand-over goes to the fast one)
+        moved = sum(after[k] - stats0[k] for k in ("handed_over", "rerouted"))
+        assert to_fast + to_slow == 24 + moved, after
         assert to_fast >= 2 * to_slow, after["replicas"]
         assert after["decision_us"]["n"] >= 40  # every call's decision was timed (its speed: bench replicas-real)
 

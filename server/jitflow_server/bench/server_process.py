@@ -151,6 +151,15 @@ class ServerProcess:
             os.killpg(p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
+        # ... and until the group is gone: a killed vLLM worker spends seconds at a full core freeing its
+        # KV cache (seen at 99 % CPU after stop() had returned), which would slow whatever runs next
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15.0:
+            try:
+                os.killpg(p.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
 
     def __enter__(self) -> ServerProcess:
         self.start()
