@@ -151,8 +151,8 @@ class ServerProcess:
             os.killpg(p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
-        # ... and until the group is gone: a killed vLLM worker spends seconds at a full core freeing its
-        # KV cache (seen at 99 % CPU after stop() had returned), which would slow whatever runs next
+        # ... and until the group is gone: a killed vLLM worker runs on at a full core for ~2 s while it
+        # frees its memory (seen at 99 % CPU after stop() had returned), slowing whatever starts next
         t0 = time.monotonic()
         while time.monotonic() - t0 < 15.0:
             try:

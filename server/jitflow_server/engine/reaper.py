@@ -40,8 +40,9 @@ _PR_SET_PDEATHSIG = 1
 
 def private_rpc_dir() -> str | None:
     """Point vLLM's IPC sockets (``VLLM_RPC_BASE_PATH``) at a new folder of this process's own, created
-    under the temporary folder; returns it, or None when the variable was already set (the operator's
-    choice stays, and is not removed) or the temporary folder's path is too long for a socket path. Call before the engine starts; hand the folder to
+    under the temporary folder, and return it. Returns None (and changes nothing) when the variable was
+    already set (the operator's choice stays, and is not removed) or when the temporary folder's path is
+    too long for a socket path (:data:`IPC_PATH_MAX`). Call before the engine starts; hand the folder to
     :func:`start_orphan_reaper` so that it is removed when the server is gone."""
     if os.environ.get("VLLM_RPC_BASE_PATH"):
         return None
