@@ -7,7 +7,10 @@
    (1.5×). The SLOs scale with the measured step time too (:func:`slo_factor`): the load and the SLOs
    are then the same for the engine whatever the CPU.
 3. Each side (baseline, then jitflow) gets its own server, fresh pattern history (``patterns/*.jsonl``)
-   and the identical plans (same arrivals, prompts, tasks). Between phases the engine drains.
+   and the identical plans (same arrivals, prompts, tasks). The servers start one after the other and
+   both stay up; the phases then run interleaved, the sides' order reversed from one phase to the next
+   (normal: baseline, jitflow; burst: jitflow, baseline), so that the two runs of a phase are close in
+   time. Between runs the engine drains.
 4. The report compares the sides per phase (``report.py``).
 """
 
@@ -308,7 +311,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="jitflow-demo-"))
     length: LengthModelJob | None = None
-    srv: ServerProcess | None = None
+    servers: dict[str, ServerProcess] = {}  # label -> its server, while it runs
     keep_logs = False
     try:
         length = start_length_model(opts.data_dir, tmp / "train-length.log", opts.model_cache)
@@ -317,6 +320,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         sides = opts.sides()
         shapes = _mix(opts, patterns)  # the mix as call shapes: for the warm-ups and the capacity
         runs: list[Any] = []
+        clocks: dict[str, _Stopwatch] = {}
         served: dict[str, Any] = {}
         speed: dict[str, dict[str, float | None]] = {}
         timings: dict[str, dict[str, float]] = {}
@@ -328,26 +332,27 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                 startup_timeout=opts.startup_timeout, tmp=tmp, patterns=patterns,
                                 length=length if side.scheduler != "vllm" else None)
 
-        for k, side in enumerate(sides):
+        fresh: dict[str, bool] = {}  # the side's last load was the capacity measurement (no warm-up needed)
+        for k, side in enumerate(sides):  # start-up: one server at a time (servers.py says why)
             t_srv = time.monotonic()
             # The length model trains while the first server starts; a server that serves with the model
-            # waits for it (one server at a time: servers.py says why).
+            # waits for it.
             if side.scheduler != "vllm" or k > 0:
                 wait_length_model(length, console)
-            srv = launch(side)
+            srv = servers[side.label] = launch(side)
             wait_healthy(srv, side.label, opts.startup_timeout, console)
             startup = time.monotonic() - t_srv
-            clock = _Stopwatch(startup)
+            clock = clocks[side.label] = _Stopwatch(startup)
             state = _engine_state(srv.base_url)
             console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s "
                           f"({'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})")
             _warmup(srv.base_url)
             clock.lap("warmup_s")
-            just_measured = False
+            fresh[side.label] = False
             if cap is None:
                 cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console,
                                 ready=length.done)
-                just_measured = not cap.cached
+                fresh[side.label] = not cap.cached
                 phases = _phases(opts, cap)
                 f, s = slo_factor(opts, cap), phases[0].cfg
                 console.print(f"SLOs ×{f:.2f} for this machine's speed ({cap.step_s * 1000:.0f} ms between tokens at "
@@ -360,35 +365,43 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                   f"deadline {c.deadline_rate:.2f}/s, {c.research_tasks} deep-research and "
                                   f"{c.tot_tasks} tree-of-thoughts tasks in {c.duration:.0f} s "
                                   f"({ph.plan.prompt_source} prompts, {ph.plan.arrival_source} arrivals)")
-            # Every side runs the demo mix closed-loop right before its phases: the warm-up, or on a
-            # machine's first run the capacity measurement that just ran the same mix for longer (the
-            # warm-up after it would add 7 s to a first run that must stay within 6 minutes).
             wait_length_model(length, console)  # nothing else may share the CPU from here on
             clock.lap("capacity_s")
-            if not just_measured:
-                _warm_engine(srv.base_url, opts, shapes, console)
-            clock.lap("warm_engine_s")
-            probe = {"before": speed_probe(srv.base_url, opts.model)}
-            clock.lap("probes_s")
-            served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
-                                  if side.scheduler == "jitflow" else None)
-            for ph in phases:
+        # The phases run interleaved on the live servers, the sides' order reversed from one phase to the
+        # next (normal: baseline then jitflow; burst: jitflow then baseline), so that the two runs of a
+        # phase are about a minute apart: this machine's speed wandered by up to 20 % over minutes.
+        for i, ph in enumerate(phases):
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                srv, clock = servers[side.label], clocks[side.label]
+                clock.restart()
+                if side.label not in speed:
+                    # Every side runs the demo mix closed-loop right before its first phase: the warm-up,
+                    # or on a machine's first run the capacity measurement that ran the same mix for longer
+                    # (a warm-up after it would add 7 s to a first run that must stay within 6 minutes).
+                    if not fresh[side.label]:
+                        _warm_engine(srv.base_url, opts, shapes, console)
+                    clock.lap("warm_engine_s")
+                    speed[side.label] = {"before": speed_probe(srv.base_url, opts.model)}
+                    clock.lap("probes_s")
+                    served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
+                                          if side.scheduler == "jitflow" else None)
                 _wait_idle(srv.base_url)
-                run = anyio.run(lambda ph=ph: run_load(srv.base_url, ph.plan, ph.cfg, side.label, console,  # noqa: B023
-                                                       phase=ph.name))
+                run = anyio.run(lambda ph=ph, srv=srv, side=side: run_load(  # noqa: B023
+                    srv.base_url, ph.plan, ph.cfg, side.label, console, phase=ph.name))
                 if not srv.alive():
                     raise DemoError(f"the {side.label} server died during the {ph.name} phase; log tail:\n"
                                     f"{srv.log_tail()}")
                 print_summary(run, console)
                 runs.append(run)
                 clock.lap("phases_s")
-            _wait_idle(srv.base_url)
-            probe["after"] = speed_probe(srv.base_url, opts.model)
-            clock.lap("probes_s")
-            speed[side.label] = probe
-            srv.stop()
-            srv = None
-            timings[side.label] = clock.lap("stop_s")
+                if i == len(phases) - 1:
+                    _wait_idle(srv.base_url)
+                    speed[side.label]["after"] = speed_probe(srv.base_url, opts.model)
+                    clock.lap("probes_s")
+        for side in sides:
+            clocks[side.label].restart()
+            servers.pop(side.label).stop()
+            timings[side.label] = clocks[side.label].lap("stop_s")
             console.print(f"{side.label}: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f} s"
                                                         for k, v in timings[side.label].items()))
         assert cap is not None
@@ -407,7 +420,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         keep_logs = True
         raise
     finally:
-        if srv is not None:
+        for srv in servers.values():
             srv.stop()
         if length is not None:
             length.cancel()
@@ -426,6 +439,10 @@ class _Stopwatch:
 
     def __init__(self, server_start_s: float) -> None:
         self.laps: dict[str, float] = {"server_start_s": server_start_s}
+        self._t = time.monotonic()
+
+    def restart(self) -> None:
+        """Start timing from now (the time since the last lap went to the other side)."""
         self._t = time.monotonic()
 
     def lap(self, name: str) -> dict[str, float]:

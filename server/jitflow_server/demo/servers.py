@@ -1,9 +1,9 @@
 """The demo's server processes: starting one per side, waiting for it, and for the length model.
 
-One server runs at a time (a vLLM server start takes about 30 s on 2 cores). Starting the second side's
+Servers start one at a time (a vLLM server start takes about 30 s on 2 cores). Starting the second side's
 server together with the first, in the background, was measured and not kept: with the length model
 cached, both were healthy after 55-57 s, against about 29 s each one after the other (the start-up
-uses both cores), and the idle server then sat through the first side's phases.
+uses both cores). Once started, both stay up: the phases run interleaved (demo/main.py).
 """
 
 from __future__ import annotations
