@@ -68,12 +68,16 @@ class ServerProcess:
         if "--port" not in self.cmd:
             raise ValueError("the server command needs --port")
         self.port = int(self.cmd[self.cmd.index("--port") + 1])
-        self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
         self.port_retries = port_retries
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT`` of the server (follows a move to another port)."""
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         """Spawn the server (returns at once)."""
@@ -134,7 +138,6 @@ class ServerProcess:
         i = self.cmd.index("--port") + 1
         self.port = free_port()
         self.cmd[i] = str(self.port)
-        self.base_url = f"http://127.0.0.1:{self.port}"
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``timeout`` s, and reap stray workers. Idempotent."""

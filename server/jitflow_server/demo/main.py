@@ -17,11 +17,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,7 +238,7 @@ def speed_probe(url: str, model: str) -> float | None:
 
 
 def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
-              ready: Any = None) -> Capacity:
+              ready: Callable[[], bool] | None = None) -> Capacity:
     key = machine_key(opts.model, dtype, opts.batch_size)
     if opts.capacity_scale is not None:
         d = mix_demand(shapes)
@@ -332,7 +334,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                                 startup_timeout=opts.startup_timeout, tmp=tmp, patterns=patterns,
                                 length=length if side.scheduler != "vllm" else None)
 
-        fresh: dict[str, bool] = {}  # the side's last load was the capacity measurement (no warm-up needed)
+        measured_on: str | None = None  # the side whose server just ran the capacity measurement
         for k, side in enumerate(sides):  # start-up: one server at a time (servers.py says why)
             t_srv = time.monotonic()
             # The length model trains while the first server starts; a server that serves with the model
@@ -348,11 +350,10 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                           f"({'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})")
             _warmup(srv.base_url)
             clock.lap("warmup_s")
-            fresh[side.label] = False
             if cap is None:
                 cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console,
                                 ready=length.done)
-                fresh[side.label] = not cap.cached
+                measured_on = None if cap.cached else side.label
                 phases = _phases(opts, cap)
                 f, s = slo_factor(opts, cap), phases[0].cfg
                 console.print(f"SLOs ×{f:.2f} for this machine's speed ({cap.step_s * 1000:.0f} ms between tokens at "
@@ -378,7 +379,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                     # Every side runs the demo mix closed-loop right before its first phase: the warm-up,
                     # or on a machine's first run the capacity measurement that ran the same mix for longer
                     # (a warm-up after it would add 7 s to a first run that must stay within 6 minutes).
-                    if not fresh[side.label]:
+                    if side.label != measured_on:
                         _warm_engine(srv.base_url, opts, shapes, console)
                     clock.lap("warm_engine_s")
                     speed[side.label] = {"before": speed_probe(srv.base_url, opts.model)}
@@ -386,8 +387,8 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                     served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
                                           if side.scheduler == "jitflow" else None)
                 _wait_idle(srv.base_url)
-                run = anyio.run(lambda ph=ph, srv=srv, side=side: run_load(  # noqa: B023
-                    srv.base_url, ph.plan, ph.cfg, side.label, console, phase=ph.name))
+                run = anyio.run(functools.partial(run_load, srv.base_url, ph.plan, ph.cfg, side.label, console,
+                                                  phase=ph.name))
                 if not srv.alive():
                     raise DemoError(f"the {side.label} server died during the {ph.name} phase; log tail:\n"
                                     f"{srv.log_tail()}")

@@ -8,6 +8,7 @@ uses both cores). Once started, both stay up: the phases run interleaved (demo/m
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,6 @@ def wait_healthy(srv: ServerProcess, what: str, timeout: float, console: Any) ->
 def wait_length_model(length: LengthModelJob, console: Any) -> None:
     """Block until the length model is trained (at once when it was cached or is done). Raises
     :class:`DemoError` when training failed."""
-    if not length.done():
-        with console.status(f"training the length model ({length.source_kind}) ..."):
-            length.wait()
-    else:
+    busy = not length.done()
+    with console.status(f"training the length model ({length.source_kind}) ...") if busy else contextlib.nullcontext():
         length.wait()
