@@ -153,7 +153,7 @@ def test_compound_calls_use_pattern_then_history_quantile(builtin_data):
 
 def test_short_simulation_with_predictor_bounds(source, builtin_data):
     jobs = make_workload(40, 3.0, data=builtin_data, seed=4)
-    st = RunSettings(length_bound="predictor", seed=3, waiting_time=None)
+    st = RunSettings(length_bound="predictor", seed=3, waiting_time=None, give_up_after=None)  # all served
     analyzers: dict = {}
     r1 = run_sim_one(jobs, MODEL, "gmax", st, builtin_data, analyzers)
     r2 = run_sim_one(jobs, MODEL, "gmax", st, builtin_data, analyzers)

@@ -250,3 +250,54 @@ def test_policy_refusal_ends_call_rejected():
     recs = {r["id"]: r for r in out["jobs"]}
     assert [recs[f"j{i}"]["rejected"] for i in range(6)] == [False, True] * 3
     assert [recs[f"j{i}"]["slo_met"] for i in range(6)] == [True, False] * 3
+
+
+@pytest.mark.parametrize("policy", ["tempo", "las", "gmax"])
+def test_refreshing_only_changed_views_decides_as_refreshing_all(policy):
+    # The simulator refreshes, at each frame, only the views of running calls and of calls that arrived or
+    # were preempted since the last one. The reference marks every waiting call stale, i.e. refreshes all.
+    from jitflow_server.engine.sim_run import SimRun
+
+    class RefreshAll(SimRun):
+        def replan(self) -> None:
+            self.stale.update(self.waiting)
+            super().replan()
+
+    jobs = _workload(n=120, rps=12.0, seed=7)
+    model = StepModel(**{**SMALL.to_dict(), "batch_size": 4, "kv_capacity_tokens": 3_000, "name": "tight"})
+
+    def engine() -> SimEngine:
+        pol = make_policy(policy) if policy == "gmax" else make_policy(policy, delta_steps=50)
+        return SimEngine(model, pol, LengthBounder("noisy"), _analyzer(model), SimConfig(waiting_time=5.0, seed=1))
+
+    fast, full = SimRun(engine(), jobs).run(), RefreshAll(engine(), jobs).run()
+    # preempted calls waited, their views refreshed once, then left alone; LAS never preempts here but reads
+    # the attained service of waiting compound calls, which changes while their siblings run
+    assert full["preemptions"] > 0 or policy == "las"
+    assert any(r["kind"] == "compound" for r in full["jobs"])
+    assert fast["jobs"] == full["jobs"]
+    assert (fast["steps"], fast["preemptions"], fast["makespan"]) == (full["steps"], full["preemptions"],
+                                                                       full["makespan"])
+
+
+@pytest.mark.parametrize("give_up", [5.0, None])
+def test_clients_give_up_after_their_deadline(give_up):
+    # One slot, held ~21 s by a long request; a deadline request and a two-stage task arriving just after are
+    # due within 1 s. Their clients give up 5 s after that, and the simulator aborts them (the whole task).
+    model = StepModel(**{**SMALL.to_dict(), "batch_size": 1, "name": "b1"})
+    jobs = [Job("long", "deadline", 0.0, "batch", [[CallSpec(50, 2000)]], deadline=1000.0),
+            Job("short", "deadline", 0.1, "batch", [[CallSpec(50, 10)]], deadline=1.0),
+            Job("task", "compound", 0.2, "tot", [[CallSpec(50, 10)], [CallSpec(50, 10)]], deadline=1.0)]
+    eng = SimEngine(model, make_policy("fcfs", delta_steps=50), LengthBounder("oracle"), _analyzer(model),
+                    SimConfig(waiting_time=None, give_up_after=give_up))
+    out = eng.run(jobs)
+    rec = {r["id"]: r for r in out["jobs"]}
+    assert rec["long"]["slo_met"] and rec["long"]["output_tokens"] == 2000
+    assert not rec["short"]["slo_met"] and not rec["task"]["slo_met"]
+    if give_up is None:  # served late, after the long request, stage after stage
+        assert out["abandoned"] == 0
+        assert rec["short"]["output_tokens"] == 10 and rec["task"]["output_tokens"] == 20
+    else:  # aborted unserved; the task's second stage never starts
+        assert out["abandoned"] == 2
+        assert rec["short"]["output_tokens"] == 0 and rec["task"]["output_tokens"] == 0
+        assert out["makespan"] < 25.0

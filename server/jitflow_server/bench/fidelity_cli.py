@@ -112,7 +112,8 @@ def register(bench_app: typer.Typer) -> None:
         # the bound: the simulated side gets the same exact bounds
         st = RunSettings(batch_size=batch_size, waiting_time=waiting_time or None, admission="shared",
                          baseline_delta=baseline_delta, length_scale=length_scale, seed=seed,
-                         analyzer_model=analyzer_model, length_bound="oracle")
+                         analyzer_model=analyzer_model, length_bound="oracle",
+                         give_up_after=None)  # the real side's load generator waits for every call
         step_model: dict = {}
         if step_file.exists():  # the preset's step-time model on the batches the real engine ran
             from jitflow_server.bench.stepfit import check_step_model, load_steps

@@ -42,7 +42,7 @@ from pathlib import Path
 from jitflow_server.bench.estimates import CompoundAnalyzer, LengthBounder
 from jitflow_server.bench.metrics import summarize
 from jitflow_server.bench.workload import DataSources
-from jitflow_server.engine.jobs import Job
+from jitflow_server.engine.jobs import GIVE_UP_AFTER_S, Job
 from jitflow_server.engine.sim import SimConfig, SimEngine
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import POLICY_NAMES, make_policy
@@ -73,6 +73,8 @@ class RunSettings:
     analyzer_model: StepModel | None = None
     #: AlpacaEval directory of ``length_bound="predictor"`` (``None``: ``<shared data>/alpaca_eval``).
     alpaca_dir: Path | None = None
+    #: Seconds past its deadline that a deadline request's or compound task's client gives up (``None``: never).
+    give_up_after: float | None = GIVE_UP_AFTER_S
 
 
 def is_gmax_family(variant: str) -> bool:
@@ -175,12 +177,14 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     admit = not variant.endswith("-noadmit") and (st.admission == "shared"
                                            or (st.admission == "jitserve" and is_gmax_family(variant)))
     wt = st.waiting_time if admit else None
-    eng = SimEngine(model, pol, bounder, sim_an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed))
+    eng = SimEngine(model, pol, bounder, sim_an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed,
+                                                      give_up_after=st.give_up_after))
     out = eng.run(jobs)
     span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
     res = summarize(out["jobs"], span, out["makespan"] - (jobs[0].arrival if jobs else 0.0), out["frame_ms"])
     res.update(variant=variant + (TRUTH if truth else ""), analyzer=an_mode, waiting_time=wt, length_bound=len_mode, steps=out["steps"],
                sim_preemptions=out["preemptions"], sim_preemptions_by_reason=out["preemptions_by_reason"],
+               abandoned=out["abandoned"],
                sim_resumed=out["resumed"],
                kv_peak_frac=out["kv_peak_blocks"] / out["kv_capacity_blocks"],
                wall_s=out["wall_s"], p_final=getattr(pol, "p", None))

@@ -18,6 +18,7 @@ from jitflow_server.bench.sim_report import (
     headline,
     write_sim_report,
 )
+from jitflow_server.engine.jobs import GIVE_UP_AFTER_S
 
 #: Requests (jobs) per load of an evaluation workload; ``bench tune`` tunes on workloads of the same length.
 DEFAULT_REQUESTS = 3000
@@ -76,7 +77,8 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                   ablation: bool, tightness_list: list[float], mixes: list[str], sweep_requests: int,
                   sweep_rps: Optional[float], gmax_params: dict, progress=None,
                   admission: str = "shared", age_boost: bool = False, seeds: int = 1,
-                  scaling: tuple[int, ...] = (), trace: Optional[Path] = None) -> dict:
+                  scaling: tuple[int, ...] = (), trace: Optional[Path] = None,
+                  give_up: float = GIVE_UP_AFTER_S) -> dict:
     """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring).
 
     ``seeds`` > 1 repeats the policy × load grid on workloads of seeds ``seed … seed+seeds−1``
@@ -101,6 +103,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     length_bound, bound_why = resolve_length_bound(length_bound, data_dir, ls, trace is not None)
     st = RunSettings(analyzer=analyzer, length_bound=length_bound, batch_size=batch_size,
                      waiting_time=waiting_time if waiting_time > 0 else None, length_scale=ls, seed=seed,
+                     give_up_after=give_up if give_up > 0 else None,
                      gmax_params=gmax_params, admission=admission, age_boost=age_boost,
                      alpaca_dir=data_dir / "alpaca_eval" if data_dir is not None else None)
     mix_w = parse_mix(mix)
@@ -128,7 +131,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                             else arrivals, "mix": mix,
                             "tightness": tightness, "length_bound": length_bound,
                             "length_bound_reason": bound_why, "analyzer": analyzer,
-                            "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time,
+                            "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time, "give_up_after": give_up,
                             "admission": admission, "age_boost": age_boost,
                             "length_scale": ls, "data": data.origin, "gmax_params": gmax_params},
                  "main": {}, "workloads": {}}
@@ -252,6 +255,9 @@ def register(bench_app: typer.Typer) -> None:
         analyzer: str = typer.Option("pattern", "--analyzer", help="pattern | none (average-based fallback)."),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="B (default: the preset's)."),
         waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
+        give_up: float = typer.Option(GIVE_UP_AFTER_S, "--give-up", min=0.0,
+                                      help="Seconds past its deadline that the client of a deadline request or "
+                                      "compound task gives up and the call is aborted, for every policy (0 = never)."),
         age_boost: bool = typer.Option(False, "--age-boost/--no-age-boost",
                                        help="Apply the proposed δ fix (boost aged from arrival, as gmax-age) to "
                                        "every GMAX-family variant (gmax, oracle, gmax-noanalyzer, gmax-paper)."),
@@ -346,7 +352,7 @@ def register(bench_app: typer.Typer) -> None:
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
                                     mix_list, sw_n, sweep_rps, gparams, prog, admission, age_boost, seeds,
-                                    sizes, trace)
+                                    sizes, trace, give_up)
         except (WorkloadError, ValueError, FileNotFoundError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (

@@ -9,6 +9,7 @@ from typing import Any
 
 from jitflow_server.demo.plan import REPO_ROOT, DemoConfig, LoadItem, Plan
 from jitflow_server.demo.results import ReqRecord, RunResult, summarize_run
+from jitflow_server.engine.jobs import GIVE_UP_AFTER_S  # the simulator's clients give up after as long
 
 
 # ---------------------------------------------------------------------- load runner
@@ -29,9 +30,6 @@ def _import_examples() -> tuple[Any, Any]:
     return run_research, run_tot
 
 
-#: A client gives up on a deadline request or an agent task this long after its deadline (s): by then it
-#: has missed its SLO whatever happens, and a real client would stop waiting. Same rule for every policy.
-GIVE_UP_AFTER = 5.0
 
 
 async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) -> ReqRecord:
@@ -40,7 +38,7 @@ async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) 
     import jitflow
 
     msgs = [{"role": "user", "content": job.prompt or ""}]
-    limit = None if job.kind == "chat" else (job.deadline or cfg.deadline) + GIVE_UP_AFTER
+    limit = None if job.kind == "chat" else (job.deadline or cfg.deadline) + GIVE_UP_AFTER_S
     try:
         with anyio.fail_after(limit):
             if job.kind == "chat":
@@ -57,7 +55,7 @@ async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) 
                     slo=jitflow.Deadline(job.deadline or cfg.deadline))
                 timing, usage = r.jitflow, r.usage
     except TimeoutError:
-        return ReqRecord(job.kind, job.t, "unfinished", error=f"client gave up {GIVE_UP_AFTER:g} s after the deadline")
+        return ReqRecord(job.kind, job.t, "unfinished", error=f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline")
     except jitflow.AdmissionRejectedError as e:
         return ReqRecord(job.kind, job.t, "rejected", error=str(e)[:200])
     except Exception as e:  # jitflow.APIError and anything unexpected: counted, never fatal to the demo
@@ -108,7 +106,7 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                 return
             app = "deep-research" if job.kind == "research" else "tree-of-thoughts"
             try:
-                with anyio.fail_after((job.deadline or 0) + GIVE_UP_AFTER):
+                with anyio.fail_after((job.deadline or 0) + GIVE_UP_AFTER_S):
                     if job.kind == "research":
                         r = await run_research(job.prompt, deadline=job.deadline, client=client, model=model)
                     else:
@@ -117,7 +115,7 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
             except TimeoutError:
                 done[job.idx] = {"app": app, "task_id": "", "outcome": "deadline_missed", "deadline": job.deadline,
                                  "elapsed": None, "stages": [], "tokens": 0,
-                                 "error": f"client gave up {GIVE_UP_AFTER:g} s after the deadline"}
+                                 "error": f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline"}
             except Exception as e:  # an app bug must not abort the whole demo: report it as failed
                 done[job.idx] = {"app": app, "task_id": "", "outcome": "failed", "deadline": job.deadline,
                                  "elapsed": None, "stages": [], "tokens": 0, "error": f"{type(e).__name__}: {e}"}
@@ -150,8 +148,8 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                             await anyio.sleep(delay)
                         jobs_tg.start_soon(run_job, job)
                     # Chat requests get ``grace`` s after the load; deadline requests and tasks until the
-                    # client gives up on them (GIVE_UP_AFTER s past their deadline).
-                    give_up = max([j.t + (j.deadline or 0) + GIVE_UP_AFTER + 1 for j in jobs if j.kind != "chat"],
+                    # client gives up on them (GIVE_UP_AFTER_S s past their deadline).
+                    give_up = max([j.t + (j.deadline or 0) + GIVE_UP_AFTER_S + 1 for j in jobs if j.kind != "chat"],
                                   default=0.0)
                     wait_end = max(cfg.duration + cfg.grace, give_up) + t0 - time.monotonic()
                     with anyio.move_on_after(wait_end):

@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jitflow_server.engine.jobs import Job
+from jitflow_server.engine.jobs import GIVE_UP_AFTER_S, Job
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import Kind, Policy, RequestView
 from jitflow_server.scheduler.lifecycle import Lifecycle
@@ -149,13 +149,16 @@ class _Call:
 class SimConfig:
     """Simulator settings: ``batch_size`` B (default: the preset's); ``waiting_time`` s (admission
     control, ``None`` = off); ``chunk`` per-step token budget override; ``max_drain_s`` virtual
-    seconds after the last arrival before unfinished calls are cut off (counted as missed)."""
+    seconds after the last arrival before unfinished calls are cut off (counted as missed);
+    ``give_up_after`` s after its deadline the client of a deadline request or of a compound task stops
+    waiting and the call (the whole task) is aborted (``None``: clients wait forever)."""
 
     batch_size: int | None = None
     waiting_time: float | None = 5.0
     chunk: int | None = None
     max_drain_s: float = 1800.0
     seed: int = 0
+    give_up_after: float | None = GIVE_UP_AFTER_S
 
 
 class SimEngine:

@@ -25,17 +25,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jitflow_server.engine.jobs import PREFIX_BLOCK_TOKENS, Job
+from jitflow_server.engine.sim_cache import PrefixCaches
 from jitflow_server.engine.step_model import cv
 from jitflow_server.scheduler import SchedContext
 from jitflow_server.scheduler.lifecycle import RequestState
-from jitflow_server.scheduler.types import SLOSpec
+from jitflow_server.scheduler.types import Kind, SLOSpec
 from jitflow_server.tracker.goodput import evaluate
 
 if TYPE_CHECKING:
     from jitflow_server.engine.sim import SimEngine, _Call
 
 
-class SimRun:
+class SimRun(PrefixCaches):
     """The state of one run of ``engine`` over ``jobs`` (virtual seconds, tokens, KV blocks)."""
 
     def __init__(self, engine: SimEngine, jobs: list[Job]) -> None:
@@ -59,6 +60,8 @@ class SimRun:
         self.waiting: dict[str, _Call] = {}
         self.unsched: dict[str, _Call] = {}  # never scheduled, in arrival order (admission deadlines)
         self.live: dict[str, _Call] = {}
+        self.stale: dict[str, _Call] = {}  # waiting calls arrived or preempted since the last frame (replan)
+        self.attained = getattr(self.pol, "reads_attained_service", True)  # else views keep it stale
         self.used_blocks = 0
         self.alloc_total = 0  # blocks ever taken from the free queue (prefix-cache eviction clock)
         self.kv_peak = 0
@@ -70,7 +73,9 @@ class SimRun:
         self.why_preempt: dict[str, int] = {}  # as the plug-in's preempt events: policy, slots, kv, blocked
         self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}  # as the plug-in's stats
         self.t = 0.0
-        self.wt = engine.cfg.waiting_time
+        self.wt, self.give_up = engine.cfg.waiting_time, engine.cfg.give_up_after
+        self.give_up_heap: list[tuple[float, int, _Call]] = []  # (time its client gives up, seq, call)
+        self.abandoned = 0  # calls aborted because their client gave up
         self.stall = 0.0  # swap-out/in time charged to the next step
         self.prefill_total = 0  # prefill tokens computed (inputs + recomputation after preemptions)
         # cross-request prefix cache: chained block key -> None, least recently used first
@@ -83,56 +88,6 @@ class SimRun:
         """Return a call's KV blocks."""
         self.used_blocks -= c.blocks
         c.blocks = 0
-
-    def cache_hit(self, c: _Call) -> int:
-        """Tokens of a preempted call still in vLLM's prefix cache (automatic prefix caching).
-
-        vLLM v1 returns freed blocks to the tail of a FIFO free queue (a request's blocks in reverse
-        order, so its prefix leaves last) and allocates from the head, evicting cached content; a
-        block freed when the queue held F blocks is evicted after F more allocations.
-        """
-        m, bs = self.m, self.bs
-        if not (m.prefix_caching and c.cache_blocks):
-            return 0
-        evicted = min(max(self.alloc_total - c.cache_evict_at, 0), c.cache_blocks)
-        keep = min(c.cache_full, c.cache_blocks - evicted)
-        # whole blocks only, and at least the last token is recomputed (vLLM: a hit of at most
-        # num_tokens - 1 tokens, block-aligned); vLLM-cpu's 128-token blocks make short calls miss
-        return max(0, min(keep, (c.input_len + c.generated - 1) // bs) * bs)
-
-    def prefix_hit(self, c: _Call) -> tuple[int, int]:
-        """``(tokens, k)``: prefill a call may skip from the cross-request prefix cache, and how many leading
-        512-token blocks of its prompt are cached (``(0, 0)`` without ``prefix_ids`` or prefix caching).
-
-        Tokens are ``min(512·k, input − 1)`` rounded down to the KV ``block_size`` (vLLM computes at
-        least the prompt's last token, and hits whole blocks only).
-        """
-        keys = c.prefix_keys
-        if keys is None or not self.m.prefix_caching:
-            return 0, 0
-        cache, k = self.prefix_cache, 0
-        for key in keys:
-            if key not in cache:
-                break
-            k += 1
-        if k == 0:
-            return 0, 0
-        return (min(PREFIX_BLOCK_TOKENS * k, c.input_len - 1) // self.bs) * self.bs, k
-
-    def prefix_insert(self, c: _Call, k: int | None = None) -> None:
-        """Insert (or touch) a call's first ``k`` (default: all) prefix blocks as most recently used,
-        evicting least recently used blocks beyond ``kv_capacity_tokens // 512``."""
-        keys = c.prefix_keys
-        if keys is None or not self.m.prefix_caching:
-            return
-        cache = self.prefix_cache
-        for key in keys if k is None else keys[:k]:
-            if key in cache:
-                cache.move_to_end(key)
-            else:
-                cache[key] = None
-        while len(cache) > self.prefix_cap:
-            cache.popitem(last=False)
 
     def preempt(self, c: _Call, why: str) -> None:
         """Free a running call's KV (swap or recompute) and put it back in the waiting queue."""
@@ -152,6 +107,7 @@ class SimRun:
         c.life.to(RequestState.PREEMPTED, self.t)
         c.js.n_preempt += 1
         self.waiting[c.rid] = c
+        self.stale[c.rid] = c
 
     def finish_call(self, c: _Call, now: float, ok: bool, end: RequestState | None = None) -> None:
         """End a call (finished, aborted, or ``end``), judge its goodput, and move its task on."""
@@ -160,6 +116,7 @@ class SimRun:
         self.live.pop(c.rid, None)
         self.waiting.pop(c.rid, None)
         self.unsched.pop(c.rid, None)
+        self.stale.pop(c.rid, None)
         if c.running:
             self.running.remove(c)
             c.running = False
@@ -208,6 +165,10 @@ class SimRun:
                 self.live[c.rid] = c
                 self.waiting[c.rid] = c
                 self.unsched[c.rid] = c
+                self.stale[c.rid] = c
+                if self.give_up is not None and c.view.deadline is not None:  # deadline and compound calls
+                    heapq.heappush(self.give_up_heap, (c.view.deadline + self.give_up, self.seq, c))
+                    self.seq += 1
             self.dirty = True
 
     def expire_unadmitted(self) -> None:
@@ -223,25 +184,45 @@ class SimRun:
             else:
                 break
 
+    def abandon(self) -> None:
+        """Abort the calls whose client gave up (``give_up_after`` s past the deadline; a compound call's
+        task fails with it). Checked once per (macro-)step, so a call may end up to one macro-step late."""
+        heap = self.give_up_heap
+        while heap and heap[0][0] < self.t:
+            c = heapq.heappop(heap)[2]
+            if not c.life.done:
+                self.abandoned += 1
+                self.finish_call(c, self.t, False)
+
     # ------------------------------------------------------------------ one step
+    def refresh(self, c: _Call) -> None:
+        """Bring a call's view up to date (generated, running, KV, admission deadline, length bound)."""
+        v, bounder = c.view, self.eng.bounder
+        gen = v.generated = c.generated
+        run = v.running = c.running
+        v.kv_tokens = c.computed if run else 0
+        v.admit_by = c.life.admit_by(c.waiting_time)
+        g50 = gen // bounder.refine_every
+        if g50 != c.bound_at or v.len_bound <= gen:
+            v.len_bound = bounder.bound(c.true_len, gen, c.z, c.cls, c.rid)
+            c.bound_at = g50
+        v.attained_service = float(c.js.attained if c.js.job.kind == "compound" else gen)
+
     def replan(self) -> None:
-        """A new frame: views of every live call, the policy's decision, its preemptions."""
+        """A new frame: the views that can have changed are refreshed (running calls, and calls that arrived
+        or were preempted since the last frame; waiting compound calls' ``attained_service`` when the policy
+        reads it), then the policy decides. Refreshing every view decided the same and took a fifth of a Tempo
+        run (5 000 requests, 2.6 req/s, ``a100-llama8b``): 11 % faster end to end, median of five paired runs.
+        """
         eng, m, B = self.eng, self.m, self.B
         self.frame_step = self.step
-        views = []
-        every = eng.bounder.refine_every
-        for c in self.running + list(self.waiting.values()):
-            v = c.view
-            gen = v.generated = c.generated
-            run = v.running = c.running
-            v.kv_tokens = c.computed if run else 0
-            v.admit_by = c.life.admit_by(c.waiting_time)
-            g50 = gen // every
-            if g50 != c.bound_at or v.len_bound <= gen:
-                v.len_bound = eng.bounder.bound(c.true_len, gen, c.z, c.cls, c.rid)
-                c.bound_at = g50
-            v.attained_service = float(c.js.attained if c.js.job.kind == "compound" else gen)
-            views.append(v)
+        for c in self.running + [c for c in self.stale.values() if not c.running]:
+            self.refresh(c)
+        self.stale.clear()
+        views = [c.view for c in self.running] + [c.view for c in self.waiting.values()]
+        for v in views[len(self.running):] if self.attained else ():
+            if v.kind is Kind.COMPOUND:
+                v.attained_service = float(self.live[v.req_id].js.attained)
         ctx = SchedContext(now=self.t, batch_size=B, token_time=eng.tracker.token_time(min(B, max(len(views), 1))),
                            prefill_rate=eng.tracker.prefill_rate(), swap_rate=m.swap_rate,
                            kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B,
@@ -440,6 +421,7 @@ class SimRun:
                 break
             self.admit_arrivals(self.t)
             self.expire_unadmitted()
+            self.abandon()
             if not self.live:
                 continue
             self.step += 1
@@ -472,6 +454,7 @@ class SimRun:
             "steps": self.step,
             "preemptions": sum(self.why_preempt.values()),
             "preemptions_by_reason": self.why_preempt,
+            "abandoned": self.abandoned,
             "resumed": self.resumed,
             "prefill_tokens": self.prefill_total,
             "prefix_hit_tokens": self.prefix_hit_tokens,

@@ -36,6 +36,11 @@ class FramedPolicy:
             return True
         return False
 
+    @property
+    def reads_attained_service(self) -> bool:
+        """True when frames read ``RequestView.attained_service`` (LAS); an engine may leave it stale otherwise."""
+        return self._cache.need_attained
+
     def on_finished(self, req_id: str, goodput: float, now: float) -> None:
         """Goodput feedback is not used (subclasses may record what they learn from it)."""
 

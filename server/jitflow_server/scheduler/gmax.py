@@ -148,6 +148,11 @@ class GMAXPolicy:
         self._gaps: deque[float] = deque(maxlen=32)  # seconds between consecutive frames (JIT horizon)
 
     # ---- Policy protocol -------------------------------------------------------------------
+    @property
+    def reads_attained_service(self) -> bool:
+        """True when frames read ``RequestView.attained_service`` (the fairness blend, ``fairness > 0``)."""
+        return self._cache.need_attained
+
     def needs_recompute(self, step: int, arrivals_or_finishes: bool) -> bool:
         """True on arrivals/finishes or once Δ decode steps passed since the last frame (§4.2).
 

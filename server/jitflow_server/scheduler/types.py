@@ -168,7 +168,11 @@ class Decision:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Interface every scheduling policy implements (GMAX and the baselines)."""
+    """Interface every scheduling policy implements (GMAX and the baselines).
+
+    Optional: ``reads_attained_service`` (bool, default True when absent) tells an engine whether the
+    policy reads :attr:`RequestView.attained_service`; the simulator skips updating it when False.
+    """
 
     name: str
 
