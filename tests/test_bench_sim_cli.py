@@ -88,6 +88,9 @@ def test_bench_sim_seeds_average_with_intervals_and_capacity_run(tmp_path):
             for s in per_seed]
     assert h["gmax_capacity_over_fcfs"] == pytest.approx(sum(caps) / 3)
     assert runs["gmax-noadmit"]["rejected"] == 0 and runs["fcfs-noadmit"]["rejected"] == 0
+    # the capacity runs serve every job; under the same overload FCFS's clients give up on late calls
+    assert runs["gmax-noadmit"]["abandoned"] == runs["fcfs-noadmit"]["abandoned"] == 0 < runs["fcfs"]["abandoned"]
+    assert res["config"]["give_up_after"] == 5.0
     assert runs["fcfs"]["waiting_time"] == runs["gmax"]["waiting_time"] == 5.0  # shared admission by default
     assert "±" in (out / "results.md").read_text()
     r2 = CliRunner().invoke(app, [
