@@ -30,8 +30,6 @@ def _import_examples() -> tuple[Any, Any]:
     return run_research, run_tot
 
 
-
-
 async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) -> ReqRecord:
     import anyio
 

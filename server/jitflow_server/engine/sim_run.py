@@ -219,10 +219,12 @@ class SimRun(PrefixCaches):
         for c in self.running + [c for c in self.stale.values() if not c.running]:
             self.refresh(c)
         self.stale.clear()
-        views = [c.view for c in self.running] + [c.view for c in self.waiting.values()]
-        for v in views[len(self.running):] if self.attained else ():
-            if v.kind is Kind.COMPOUND:
-                v.attained_service = float(self.live[v.req_id].js.attained)
+        waiting = list(self.waiting.values())
+        if self.attained:  # a waiting compound call's attained service grows while its siblings run
+            for c in waiting:
+                if c.view.kind is Kind.COMPOUND:
+                    c.view.attained_service = float(c.js.attained)
+        views = [c.view for c in self.running] + [c.view for c in waiting]
         ctx = SchedContext(now=self.t, batch_size=B, token_time=eng.tracker.token_time(min(B, max(len(views), 1))),
                            prefill_rate=eng.tracker.prefill_rate(), swap_rate=m.swap_rate,
                            kv_capacity_tokens=m.kv_capacity_tokens, max_running=2 * B,
