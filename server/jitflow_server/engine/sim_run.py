@@ -359,7 +359,7 @@ class SimRun(PrefixCaches):
         same result as stepping one by one, up to the heterogeneity factor of its first step)."""
         m, bs, eng = self.m, self.bs, self.eng
         n = len(sched)
-        ctx_lens = np.fromiter((c.computed + nt for c, nt in sched), dtype=np.float64, count=n)
+        ctx_lens = np.array([c.computed + nt for c, nt in sched], np.float64)
         all_decode = all(nt == 1 and c.generated > 0 for c, nt in sched)
         hetero = 1.0 + m.hetero * cv(ctx_lens)
         if all_decode and not admitted and not preempted_now and self.stall == 0.0:
@@ -395,9 +395,13 @@ class SimRun(PrefixCaches):
             self.t = times[-1]
             self.step += k - 1
             return
-        n_dec = sum(1 for c, nt in sched if nt == 1 and c.generated > 0)
-        dec_ctx = sum(c.computed for c, nt in sched if nt == 1 and c.generated > 0)
-        pre = sum(nt for c, nt in sched if not (nt == 1 and c.generated > 0))
+        n_dec = dec_ctx = pre = 0  # decoding calls, their context, prefill tokens (integers: exact sums)
+        for c, nt in sched:
+            if nt == 1 and c.generated > 0:
+                n_dec += 1
+                dec_ctx += c.computed
+            else:
+                pre += nt
         self.prefill_total += pre
         dt = m.raw_time(n_dec, pre, dec_ctx) * hetero + self.stall
         self.stall = 0.0

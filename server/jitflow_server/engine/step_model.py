@@ -105,10 +105,16 @@ class StepModel:
 
 def cv(x: np.ndarray) -> float:
     """Coefficient of variation std/mean of ``x`` (0 for fewer than 2 values or a zero mean)."""
-    if x.size < 2:
+    n = x.size
+    if n < 2:
         return 0.0
-    m = float(x.mean())
-    return float(x.std() / m) if m > 0 else 0.0
+    # np.mean and np.std's arithmetic, bit for bit (a sum, a division, the squared deviations' sum),
+    # without their 15 µs of dispatch: the simulator asks once per step
+    mean = np.add.reduce(x) / n
+    if not mean > 0:
+        return 0.0
+    dev = x - mean
+    return math.sqrt(np.add.reduce(dev * dev) / n) / float(mean)
 
 
 # ---- built-in presets -------------------------------------------------------------------------

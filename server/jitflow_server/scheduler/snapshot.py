@@ -24,6 +24,44 @@ KIND_CODE: dict[str, int] = {
 _NAN = math.nan
 
 
+def dense_rank(values: np.ndarray, upper: int) -> tuple[np.ndarray, int]:
+    """``np.unique(values, return_inverse=True)`` for non-negative ints below ``upper``: (inverse, number
+    of distinct values); the inverse ranks the values in ascending order, as ``np.unique``'s does. A mark
+    array and a cumulative sum instead of a sort: 8 µs against 40 µs for a few hundred values among a
+    few thousand ids (the two calls were an eighth of GMAX's snapshot build)."""
+    seen = np.zeros(upper, bool)
+    seen[values] = True
+    rank = seen.cumsum() - 1
+    return rank[values], int(rank[-1]) + 1 if upper else 0
+
+
+@dataclass(slots=True)
+class StageGroups:
+    """The compound calls of a snapshot sorted by stage group, for per-group reductions.
+
+    ``members`` (M,) indices of the compound calls in the snapshot, ascending; ``group`` (M,) their
+    group ids in ``[0, n_groups)``, every id present; ``perm`` (M,) positions into ``members`` ordered by
+    group (stable); ``starts`` (n_groups,) where each group's segment begins in that order.
+    """
+
+    members: np.ndarray
+    group: np.ndarray
+    perm: np.ndarray
+    starts: np.ndarray
+
+    @classmethod
+    def of(cls, members: np.ndarray, group: np.ndarray, n_groups: int) -> StageGroups:
+        """Index the compound calls ``members`` whose (dense) group ids are ``group``."""
+        starts = np.zeros(n_groups, np.int64)
+        np.bincount(group, minlength=n_groups)[:-1].cumsum(out=starts[1:])
+        return cls(members, group, group.argsort(kind="stable"), starts)
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        """Per-group maximum of ``values`` (..., M) given over ``members``: (..., n_groups). Exact, NaN
+        propagating, the same as ``np.maximum.at`` and at a fifth of its cost."""
+        return np.maximum.reduceat(values[..., self.perm], self.starts, axis=-1)
+
+
 class SchedulingInputError(ValueError):
     """A request view or scheduling context is malformed (raised before any decision is made)."""
 
@@ -58,6 +96,7 @@ class Snapshot:
     task_index: np.ndarray  # int64 index of task_id (-1 when None), for program-level LAS
     admit_by: np.ndarray | None = None  # absolute s or NaN (waiting, never scheduled); None: no column
     rows: np.ndarray | None = None  # rows of these requests in the SnapshotCache that built it
+    stage_groups: StageGroups | None = None  # the compound calls by group (None: no compound call)
 
     @property
     def n(self) -> int:
@@ -144,10 +183,10 @@ class SnapshotCache:
         f[3] = np.array([v.tbt for v in views], np.float64)
         f[4] = np.array([v.deadline for v in views], np.float64)
         f[5] = np.array([v.true_len for v in views], np.float64)
-        bad = np.flatnonzero(f[1] < 0)
+        bad = (f[1] < 0).nonzero()[0]
         if bad.size:
             raise SchedulingInputError(f"request {views[bad[0]].req_id!r}: input_len must be >= 0")
-        bad = np.flatnonzero((kind == DEADLINE) & np.isnan(f[4]))
+        bad = ((kind == DEADLINE) & np.isnan(f[4])).nonzero()[0]
         if bad.size:
             raise SchedulingInputError(f"deadline request {views[bad[0]].req_id!r} has no deadline")
         gid = np.full(m, -1, np.int64)
@@ -192,7 +231,7 @@ class SnapshotCache:
         ids = [v.req_id for v in views]
         pos = self._pos
         rows = np.fromiter(map(pos.get, ids, repeat(-1)), np.int64, n) if pos else np.full(n, -1, np.int64)
-        new = np.flatnonzero(rows < 0)
+        new = (rows < 0).nonzero()[0]
         if new.size:
             new_views = [views[i] for i in new.tolist()]
             if len({v.req_id for v in new_views}) != new.size:
@@ -230,27 +269,27 @@ class SnapshotCache:
         if self.need_admit_by:
             snap.admit_by = np.fromiter(
                 (_NAN if (v.running or v.admit_by is None) else v.admit_by for v in views), f64, n)
-        run = np.flatnonzero(snap.running)
+        run = snap.running.nonzero()[0]
         if run.size:  # only running requests hold KV (RequestView contract); B-sized read
             snap.kv_tokens[run] = [views[i].kv_tokens for i in run.tolist()]
         if (snap.generated.min(initial=0) < 0) | (snap.len_bound.min(initial=0) < 0) | (snap.kv_tokens.min(initial=0) < 0):
             for col in ("generated", "len_bound", "kv_tokens"):
-                bad = np.flatnonzero(getattr(snap, col) < 0)
+                bad = (getattr(snap, col) < 0).nonzero()[0]
                 if bad.size:
                     raise SchedulingInputError(f"request {ids[bad[0]]!r}: {col} must be >= 0")
-        comp = np.flatnonzero(kind == COMPOUND)
+        comp = (kind == COMPOUND).nonzero()[0]
         if comp.size:  # per-frame fields of compound calls (the analyzer refines them as the task unfolds)
             cv = [views[i] for i in comp.tolist()]
             snap.sub_deadline[comp] = np.array([v.sub_deadline for v in cv], f64)
             snap.task_tokens_est[comp] = np.array([v.task_tokens_est for v in cv], f64)
             snap.task_rem_gen_time[comp] = [v.task_rem_gen_time for v in cv]
-            uniq, inv = np.unique(self._gid[rows[comp]], return_inverse=True)
+            inv, snap.n_groups = dense_rank(self._gid[rows[comp]], len(self._groups))
             snap.group[comp] = inv
-            snap.n_groups = int(uniq.size)
+            snap.stage_groups = StageGroups.of(comp, inv, snap.n_groups)
         tid = self._tid[rows]
-        has = np.flatnonzero(tid >= 0)
+        has = (tid >= 0).nonzero()[0]
         if has.size:
-            snap.task_index[has] = np.unique(tid[has], return_inverse=True)[1]
+            snap.task_index[has] = dense_rank(tid[has], len(self._tasks))[0]
         return snap
 
     def invalidate(self, req_id: str) -> None:
