@@ -97,16 +97,25 @@ def test_routing_follows_the_measured_speed(replicas):
 
 def test_a_call_queued_behind_a_busy_replica_is_handed_over_to_an_idle_one(replicas):
     # round robin sends half of the burst to the slow replica (2 slots): the calls queued there have no token
-    # after 2 s while the fast replica is idle, so they move to it and every call is served once
+    # after 2 s while the fast replica is idle, so they move to it and every call is served once. The speeds
+    # are measured first: before that the router prices both replicas alike, and a fast replica slowed by
+    # the machine's other work (its first tokens later than 2 s) could rightly hand its calls to the slow one.
     with _router(replicas, "round-robin", replicas["dir"] / "handover.log", "--handover", "2") as (url, _):
+        assert [s for s, _ in _burst(url, 4, 32)] == [200] * 4
+        t0 = time.time()
+        while not all(r["measured"] for r in _stats(url)["replicas"]) and time.time() - t0 < 30:
+            time.sleep(0.5)
+        stats0 = _stats(url)
+        assert all(r["measured"] for r in stats0["replicas"]), stats0["replicas"]
         results = _burst(url, 12, 64)
         stats = _stats(url)
     assert [s for s, _ in results] == [200] * 12, [b for s, b in results if s != 200][:2]
     assert all(b["usage"]["completion_tokens"] == 64 for _, b in results)
-    fast, slow = stats["replicas"]
-    assert stats["handed_over"] >= 1, stats
-    assert fast["routed"] + slow["routed"] == 12 + stats["handed_over"]  # one more attempt per hand-over
-    assert fast["routed"] > slow["routed"], stats["replicas"]
+    fast, slow = (after["routed"] - before["routed"] for after, before in zip(stats["replicas"], stats0["replicas"]))
+    handed_over = stats["handed_over"] - stats0["handed_over"]
+    assert handed_over >= 1, stats
+    assert fast + slow == 12 + handed_over  # one more attempt per hand-over
+    assert fast > slow, stats["replicas"]
     assert stats["rerouted"] == 0 and stats["failed_streaming"] == 0
 
 
