@@ -215,6 +215,27 @@ def test_compound_stage_members_share_one_priority_and_finish_with_slowest():
     assert pol3.last_estimates.feasible.all()
 
 
+def test_a_stage_that_has_begun_is_priced_by_its_slowest_member():
+    """``compound_priority="commit"`` (the default): a stage group is priced on its members' summed
+    generation time until one of them runs, then on its slowest member's, so the rest of a begun stage
+    outranks a fresh stage of the same work; "aggregate" keeps the sum either way."""
+    def call(rid, out, task, running=False, generated=0):
+        return RequestView(rid, Kind.COMPOUND, 0.0, 100, generated, out, running, deadline=30.0, sub_deadline=15.0,
+                           task_id=task, stage_index=1, kv_tokens=100 + generated if running else 0)
+
+    begun = [call("a", 50, "T", running=True, generated=10), call("b", 300, "T"), call("c", 1200, "T")]
+    fresh = [call("x", 50, "U"), call("y", 300, "U"), call("z", 1200, "U")]
+    tokens = 3 * 100 + 50 + 300 + 1200
+    for priority, begun_s in (("commit", 1200 * 0.01), ("aggregate", (40 + 300 + 1200) * 0.01)):
+        pr = gmax(full_priorities=True, compound_priority=priority).schedule(
+            begun + fresh, ctx(now=1.0, b=6, v=0.01)).priorities
+        assert pr["a"] == pr["b"] == pr["c"] and pr["x"] == pr["y"] == pr["z"]
+        assert pr["b"] == pytest.approx(tokens / begun_s, rel=1e-4), priority
+        assert pr["x"] == pytest.approx(tokens / ((50 + 300 + 1200) * 0.01), rel=1e-4), priority
+    with pytest.raises(ValueError, match="compound_priority"):
+        gmax(compound_priority="fastest")
+
+
 def test_compound_sub_deadline_feasibility_mode():
     calls = [RequestView(f"s{i}", Kind.COMPOUND, 0.0, 10, 0, 100, False, deadline=60.0, sub_deadline=5.0,
                          task_id="T", stage_index=1) for i in range(2)]

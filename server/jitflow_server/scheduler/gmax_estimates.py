@@ -230,7 +230,13 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
             task_slack = np.where(has_task, task_dl - now - rem_future, stage_rem)
         budget = task_slack if prm.compound_feasibility == "task" else stage_rem
         g_ok = max_tgen <= budget + 1e-9  # (K, groups)
-        den = (sum_tgen if prm.compound_priority == "aggregate" else max_tgen) + rem_future
+        if prm.compound_priority == "aggregate":
+            span = sum_tgen
+        elif prm.compound_priority == "slowest":
+            span = max_tgen
+        else:  # "commit": the members' summed bandwidth until one of them has started, then the slowest one
+            span = np.where(sg.max((gen[i] > 0) | snap.running[i]), max_tgen, sum_tgen)
+        den = span + rem_future
         t_gen[:, i] = den[:, g]
         t_rem[i] = stage_rem[g]
         base[i] = g_tokens[g]
