@@ -216,7 +216,7 @@ def test_compound_stage_members_share_one_priority_and_finish_with_slowest():
 
 
 def test_a_stage_that_has_begun_is_priced_by_its_slowest_member():
-    """``compound_priority="commit"`` (the default): a stage group is priced on its members' summed
+    """``compound_priority="commit"``: a stage group is priced on its members' summed
     generation time until one of them runs, then on its slowest member's, so the rest of a begun stage
     outranks a fresh stage of the same work; "aggregate" keeps the sum either way."""
     def call(rid, out, task, running=False, generated=0):
