@@ -113,12 +113,10 @@ class TempoPolicy(PeerPolicy):
         prefill = np.maximum(snap.input_len + g - snap.kv_tokens, 0.0) / ctx.prefill_rate
         own = prefill + rem * tt
         t_exec = own
-        comp = np.flatnonzero(snap.group >= 0)
-        if comp.size:
-            gmax = np.zeros(snap.n_groups)
-            np.maximum.at(gmax, snap.group[comp], own[comp])
+        groups = snap.stage_groups
+        if groups is not None:  # a stage group runs as long as its slowest member
             t_exec = own.copy()
-            t_exec[comp] = gmax[snap.group[comp]]
+            t_exec[groups.members] = groups.max(own[groups.members])[groups.group]
         due = self.completion_due(snap)
         span = np.maximum(due - snap.arrival, tt)
         sg = self.w_in * snap.input_len + self.w_out * (g + rem)
