@@ -236,6 +236,34 @@ def test_a_stage_that_has_begun_is_priced_by_its_slowest_member():
         gmax(compound_priority="fastest")
 
 
+def test_a_begun_stages_call_about_to_be_rejected_is_priced_on_its_own_time():
+    """``compound_admit="member"``: a waiting call of a stage group whose sibling has started, that
+    admission control rejects before the next decision, is priced on its own generation time (the
+    group's tokens over its own time, so it gets a slot); a call with time left, or of a stage no member
+    of which has started, keeps the group's price; "group" prices every member alike."""
+    def call(rid, out, task, running=False, generated=0, admit_by=None):
+        return RequestView(rid, Kind.COMPOUND, 0.0, 100, generated, out, running, deadline=300.0,
+                           sub_deadline=150.0, task_id=task, stage_index=1, admit_by=admit_by,
+                           kv_tokens=100 + generated if running else 0)
+
+    begun = [call("a", 50, "T", running=True, generated=10), call("b", 300, "T", admit_by=1.2),
+             call("c", 1200, "T", admit_by=9.0)]
+    fresh = [call("x", 300, "U", admit_by=1.2), call("y", 1200, "U", admit_by=1.2)]
+    tokens_t = 3 * 100 + 50 + 300 + 1200
+    group_s = (40 + 300 + 1200) * 0.01
+    c = ctx(now=1.0, b=5, v=0.01)  # horizon: 2 frames of Δ·v = 0.5 s
+    kw = dict(adapt_p=False, starvation_delta=0.0, request_weight=0.0, full_priorities=True)
+    at_risk = 1.01  # never started: marginal = all its goodput, plus jit_fill (0.01) × goodput
+    member = make_policy("gmax", **kw).schedule(begun + fresh, c).priorities  # the default
+    group = make_policy("gmax", compound_admit="group", **kw).schedule(begun + fresh, c).priorities
+    assert member["b"] == pytest.approx(at_risk * tokens_t / (300 * 0.01), rel=1e-4)  # rejected by 1.2 s
+    assert group["b"] == pytest.approx(at_risk * tokens_t / group_s, rel=1e-4)
+    for rid in ("a", "c", "x", "y"):  # running, 8 s left, or a stage that has not begun: the group's price
+        assert member[rid] == pytest.approx(group[rid], rel=1e-9), rid
+    with pytest.raises(ValueError, match="compound_admit"):
+        gmax(compound_admit="task")
+
+
 def test_compound_sub_deadline_feasibility_mode():
     calls = [RequestView(f"s{i}", Kind.COMPOUND, 0.0, 10, 0, 100, False, deadline=60.0, sub_deadline=5.0,
                          task_id="T", stage_index=1) for i in range(2)]

@@ -123,7 +123,9 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     Per kind: latency goodput = remaining on-time output tokens at the measured
     speed (:func:`on_time_tokens`); deadline / best-effort goodput = ``ω_i·input + ω_o·output`` if
     ``now + t_gen ≤ deadline``; compound goodput = the task's estimated tokens (else the stage
-    group's tokens) if the group can finish in time, shared by all members of the stage group.
+    group's tokens) if the group can finish in time, shared by all members of the stage group; with
+    ``compound_admit="member"`` a waiting call of a begun stage that admission control rejects before
+    the next decision is priced on its own generation time instead of the group's.
     """
     now = ctx.now
     v = np.asarray(token_times, float).reshape(-1, 1)  # (K, 1)
@@ -162,6 +164,7 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     # integer index arrays (random boolean masks are several times slower on 10^4 rows)
     lat_i, dl_i, be_i = ((kind == k).nonzero()[0] for k in (LATENCY, DEADLINE, BEST_EFFORT))
     comp_i = snap.stage_groups.members if snap.stage_groups is not None else np.zeros(0, np.int64)
+    own_tgen = None
 
     # latency-sensitive: on-time tokens of the remaining timeline
     if lat_i.size:
@@ -211,6 +214,7 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         g = sg.group
         ng = snap.n_groups
         tg = t_gen[:, i]
+        own_tgen = tg.copy() if prm.compound_admit == "member" else None
         sum_tgen = group_sum(tg, g, ng)
         max_tgen = sg.max(tg)
         # the speed-free per-group maxima in one pass
@@ -252,6 +256,16 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         with np.errstate(invalid="ignore"):
             at_risk = snap.admit_by - now <= np.maximum(frame_s, prm.admit_horizon)  # (K, N)
         if comp_i.size:
+            if own_tgen is not None:
+                # "member" (GMAXParams.compound_admit): a waiting call of a stage that has begun, which
+                # admission control rejects before the next decision, fails its task and wastes what its
+                # siblings were served; saving it takes only its own start, so it is priced on its own
+                # generation time
+                sg = snap.stage_groups
+                begun = sg.max((gen[comp_i] > 0) | snap.running[comp_i])[sg.group]
+                with np.errstate(invalid="ignore"):
+                    imminent = (snap.admit_by[comp_i] - now <= frame_s) & begun  # (K, M)
+                t_gen[:, comp_i] = np.where(imminent, own_tgen, t_gen[:, comp_i])
             at_risk[:, comp_i] = snap.stage_groups.max(at_risk[:, comp_i])[:, snap.stage_groups.group]
         marginal = np.where(at_risk, goodput, marginal)
     return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)

@@ -60,6 +60,13 @@ class GMAXParams:
       tuning seeds most of the tree-of-thoughts tasks GMAX lost were lost that way, in their fan-out stage).
       Not the default: +2 % tokens and −1 % requests in the simulator, but on the real CPU engine (the
       demo's burst) chat attainment fell from 0.73–0.78 to 0.37–0.52 (docs/scheduling.md).
+    - ``compound_admit`` ["member"]: how a waiting compound call is priced in the last moments before
+      admission control would reject it (``admit_by`` within the JIT horizon). "group": like its stage
+      group (``compound_priority``); "member": when a sibling of the stage has started, on its own
+      generation time with the group's goodput, since its rejection fails the task and wastes what the
+      siblings were served while saving it takes only its own start. A stage none of whose members has
+      started keeps the group's price (pricing those on their own time too cost 7–17 % of the requests on
+      the tuning seeds: chat requests lost their slots to fan-outs that had not begun).
     - ``stall_value`` ["goodput"]: how a preemption stall is priced (§4.2 "goodput_loss =
       stall_duration × token_generation_speed"): "goodput" multiplies the stall by the goodput rate of
       the rest of the batch (both sides of the test in goodput tokens, so a stall that only delays
@@ -184,6 +191,7 @@ class GMAXParams:
     compound_feasibility: str = "task"
     jit_pacing: str = "stage"
     compound_priority: str = "aggregate"
+    compound_admit: str = "member"
     preemption: bool = True
     preempt_margin: float = 0.1
     jit: bool = True
@@ -227,6 +235,8 @@ class GMAXParams:
         if self.starvation_clock not in ("waiting", "arrival", "served"):
             raise ValueError(
                 f"starvation_clock must be 'waiting', 'arrival' or 'served', got {self.starvation_clock!r}")
+        if self.compound_admit not in ("group", "member"):
+            raise ValueError(f"compound_admit must be 'group' or 'member', got {self.compound_admit!r}")
         if self.compound_priority not in ("aggregate", "slowest", "commit"):
             raise ValueError(
                 f"compound_priority must be 'aggregate', 'slowest' or 'commit', got {self.compound_priority!r}")
