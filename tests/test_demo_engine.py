@@ -56,6 +56,33 @@ def test_capacity_window_opens_only_when_ready(server_url):
     assert cap.requests > 0 and cap.out_tok_s > 0 and cap.window_s == 2.0
 
 
+def test_a_stale_cached_capacity_is_measured_again(server_url, tmp_path):
+    """A cached capacity whose stored lone-request probe no longer matches this engine's speed is measured
+    again on the server, and the new measurement with its probe replaces the entry; an entry without a
+    probe is used as cached."""
+    from jitflow_server.demo.calibrate import Capacity, load_cached, machine_key, save_cached
+    from jitflow_server.demo.main import _capacity
+
+    patterns = sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
+    shapes = mix_shapes([("Say hello.", 16)], [("Explain a bit.", 24)], task_calls(patterns))
+    cache = tmp_path / "cap.json"
+    opts = DemoOptions(model="tiny", batch_size=4, calibration_window=2.0, capacity_cache=cache, seed=1)
+    key = machine_key("tiny", None, 4)
+    settled = []
+    console = Console(file=open(tmp_path / "console.txt", "w"), width=200)  # noqa: SIM115
+    save_cached(Capacity(key, 1.0, 9.0, 1.0, 1.0, 1, 2.0, "long ago"), cache)  # no probe: trusted
+    cap = _capacity(opts, server_url, None, shapes, console, settle=lambda: settled.append(1))
+    assert cap.cached and cap.out_tok_s == 1.0 and settled == [1]
+    save_cached(Capacity(key, 1.0, 9.0, 1.0, 1.0, 1, 2.0, "long ago", probe_tbt_s=100.0), cache)  # far slower
+    cap = _capacity(opts, server_url, None, shapes, console, settle=lambda: settled.append(2))
+    console.file.close()
+    assert settled == [1, 2] and not cap.cached and cap.requests > 0 and cap.out_tok_s != 1.0
+    assert cap.probe_tbt_s is not None and 0 < cap.probe_tbt_s < 100.0
+    stored = load_cached(key, cache)
+    assert stored is not None and stored.measured_at == cap.measured_at and stored.probe_tbt_s == cap.probe_tbt_s
+    assert "speed changed since its capacity was measured" in (tmp_path / "console.txt").read_text()
+
+
 def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
     slos = DemoConfig(chat_tokens=(8, 24), deadline_tokens=(8, 24), research_deadline=60, tot_deadline=60, grace=20)
     opts = DemoOptions(model="tiny", phase_duration=4.0, capacity_scale=4.0, slos=slos, seed=3,

@@ -11,7 +11,9 @@ import pytest
 
 from jitflow_server.demo import BASE_MIX, DemoConfig, ReqRecord, phase_config, plot_report, summarize_run
 from jitflow_server.demo.calibrate import (
+    STALE_SPREAD,
     Capacity,
+    is_stale,
     load_cached,
     machine_key,
     mix_demand,
@@ -73,6 +75,26 @@ def test_capacity_cache_round_trip_and_corrupt_file(tmp_path):
     assert load_cached(key, cache) is None
     save_cached(cap, cache)  # a corrupt cache is replaced, not fatal
     assert load_cached(key, cache) is not None
+
+
+def test_a_cached_capacity_is_stale_when_the_machine_speed_changed(tmp_path):
+    """The probe stored with a measurement round-trips through the cache; a later probe more than
+    ``STALE_SPREAD`` times slower or faster marks the entry stale; an entry without a probe (cached before
+    probes were stored) or a failed probe now leaves the cache trusted."""
+    cache = tmp_path / "cap.json"
+    cap = Capacity("k", 600.0, 0.05, 150.0, 4.0, 300, 20.0, "2026-11-25T00:00:00Z", probe_tbt_s=0.040)
+    save_cached(cap, cache)
+    got = load_cached("k", cache)
+    assert got is not None and got.probe_tbt_s == 0.040
+    assert not is_stale(got, 0.040) and not is_stale(got, 0.040 * STALE_SPREAD * 0.99)
+    assert not is_stale(got, 0.040 / (STALE_SPREAD * 0.99))
+    assert is_stale(got, 0.040 * STALE_SPREAD * 1.01) and is_stale(got, 0.040 / (STALE_SPREAD * 1.01))
+    assert not is_stale(got, None)
+    entry = json.loads(cache.read_text())
+    del entry["k"]["probe_tbt_s"]  # an entry written before probes were stored
+    cache.write_text(json.dumps(entry))
+    old = load_cached("k", cache)
+    assert old is not None and old.probe_tbt_s is None and not is_stale(old, 0.5)
 
 
 def test_phase_config_scales_rates_and_task_counts():

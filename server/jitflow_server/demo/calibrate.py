@@ -57,6 +57,9 @@ class Capacity:
         window_s: length of the measurement window (s).
         measured_at: ISO time of the measurement.
         cached: True when read from the cache instead of measured in this run.
+        probe_tbt_s: the time between output tokens of a lone request on the idle engine right after the
+            measurement (s; :func:`speed_probe`), to tell later runs whether the
+            machine still runs at this speed (:func:`is_stale`); None in entries cached before it existed.
     """
 
     key: str
@@ -68,6 +71,25 @@ class Capacity:
     window_s: float
     measured_at: str
     cached: bool = False
+    probe_tbt_s: float | None = None
+
+
+#: A cached capacity is measured again when a lone request's time between tokens now differs from the one
+#: probed with the measurement by more than this factor. Lone-request probes of fresh servers one after
+#: another on a quiet 2-core VM read 36-44 ms (1.22×); on a host whose speed had changed since the cached
+#: measurement (probes 17-28 ms within one run), stock vLLM met 12-20 of the burst's 73 requests against
+#: 29-54 on the same machine earlier: the cached capacity sized a burst far beyond 1.5×.
+STALE_SPREAD = 1.3
+
+
+def is_stale(cap: Capacity, probe_tbt_s: float | None, spread: float = STALE_SPREAD) -> bool:
+    """True when ``cap`` was probed and ``probe_tbt_s`` (s, a lone request's time between tokens now)
+    differs from its probe by more than ``spread`` times either way. False when either probe is missing
+    (an old cache entry, or a probe that failed): the cache is then trusted as before."""
+    old = cap.probe_tbt_s
+    if not old or not probe_tbt_s or old <= 0 or probe_tbt_s <= 0:
+        return False
+    return max(old, probe_tbt_s) > spread * min(old, probe_tbt_s)
 
 
 def machine_key(model: str, dtype: str | None, batch_size: int) -> str:
@@ -113,6 +135,25 @@ def save_cached(cap: Capacity, path: Path = DEFAULT_CACHE) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
+
+
+#: Requests of the speed probe and their output tokens.
+PROBE_REQUESTS, PROBE_TOKENS = 3, 16
+
+
+def speed_probe(url: str, model: str) -> float | None:
+    """Median time between output tokens (s) of :data:`PROBE_REQUESTS` lone requests of
+    :data:`PROBE_TOKENS` tokens on an idle engine: the machine's speed, to compare the two sides (a
+    neighbour's load on the CPU shows as a slower probe). None if no probe request succeeded."""
+    import httpx
+
+    tbts = []
+    for _ in range(PROBE_REQUESTS):
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, TypeError):
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "speed probe",
+                                                         "max_tokens": PROBE_TOKENS, "ignore_eos": True}, timeout=60)
+            tbts.append(float(r.json()["jitflow"]["tbt_mean"]))
+    return sorted(tbts)[len(tbts) // 2] if tbts else None
 
 
 # ---------------------------------------------------------------------- the mix's calls

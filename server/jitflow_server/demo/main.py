@@ -34,12 +34,14 @@ from jitflow_server.demo.calibrate import (
     DEFAULT_CACHE,
     CallShape,
     Capacity,
+    is_stale,
     load_cached,
     machine_key,
     measure_capacity,
     mix_demand,
     mix_shapes,
     save_cached,
+    speed_probe,
     task_calls,
 )
 from jitflow_server.demo.length_model import DEFAULT_DIR, LengthModelJob, start_length_model
@@ -218,27 +220,15 @@ def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: 
     _wait_idle(url, 30)
 
 
-#: Requests of the speed probe and their output tokens.
-PROBE_REQUESTS, PROBE_TOKENS = 3, 16
-
-
-def speed_probe(url: str, model: str) -> float | None:
-    """Median time between output tokens (s) of :data:`PROBE_REQUESTS` lone requests of
-    :data:`PROBE_TOKENS` tokens on an idle engine: the machine's speed, to compare the two sides (a
-    neighbour's load on the CPU shows as a slower probe). None if no probe request succeeded."""
-    import httpx
-
-    tbts = []
-    for _ in range(PROBE_REQUESTS):
-        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, TypeError):
-            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "speed probe",
-                                                         "max_tokens": PROBE_TOKENS, "ignore_eos": True}, timeout=60)
-            tbts.append(float(r.json()["jitflow"]["tbt_mean"]))
-    return sorted(tbts)[len(tbts) // 2] if tbts else None
-
-
 def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
-              ready: Callable[[], bool] | None = None) -> Capacity:
+              ready: Callable[[], bool] | None = None, settle: Callable[[], None] | None = None) -> Capacity:
+    """The engine's capacity on the demo mix: given (``--capacity``), cached, or measured on ``url``.
+
+    A cached measurement is used only while the machine runs at its speed: a lone request's time between
+    tokens is probed (after ``settle``, which waits until nothing else uses the CPU, i.e. the length
+    model's training) and compared with the probe stored with it (:func:`is_stale`); a changed speed
+    measures again. ``ready`` holds the measurement's window shut (see :func:`measure_capacity`).
+    Raises :class:`DemoError` when the measurement fails."""
     key = machine_key(opts.model, dtype, opts.batch_size)
     if opts.capacity_scale is not None:
         d = mix_demand(shapes)
@@ -246,9 +236,16 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
                         "given by --capacity", cached=True)
     cap = None if opts.recalibrate else load_cached(key, opts.capacity_cache)
     if cap is not None:
-        console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
-                      f"(cached {cap.measured_at}; --recalibrate to measure again)")
-        return cap
+        if settle is not None:
+            settle()
+        probe = speed_probe(url, opts.model)
+        if not is_stale(cap, probe):
+            console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
+                          f"(cached {cap.measured_at}; --recalibrate to measure again)")
+            return cap
+        console.print(f"[yellow]this machine's speed changed since its capacity was measured[/yellow] "
+                      f"({cap.measured_at}): a lone request takes {probe * 1000:.0f} ms between tokens now, "
+                      f"{cap.probe_tbt_s * 1000:.0f} ms then; measuring again")
     with console.status(f"measuring this machine's capacity: {2 * opts.batch_size} requests of the demo mix in "
                         f"flight for {opts.calibration_window + CAPACITY_WARMUP_S:.0f} s ..."):
         try:
@@ -256,8 +253,9 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
                                    window=opts.calibration_window, seed=opts.seed, ready=ready)
         except RuntimeError as exc:
             raise DemoError(f"capacity measurement failed: {exc}") from None
-    save_cached(cap, opts.capacity_cache)
     _wait_idle(url, 30)
+    cap.probe_tbt_s = speed_probe(url, opts.model)
+    save_cached(cap, opts.capacity_cache)
     console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
                   f"({cap.requests} requests, {cap.step_s * 1000:.0f} ms between tokens at full batch); saved to "
                   f"{opts.capacity_cache}")
@@ -352,7 +350,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             clock.lap("warmup_s")
             if cap is None:
                 cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console,
-                                ready=length.done)
+                                ready=length.done, settle=functools.partial(wait_length_model, length, console))
                 measured_on = None if cap.cached else side.label
                 phases = _phases(opts, cap)
                 f, s = slo_factor(opts, cap), phases[0].cfg
