@@ -75,10 +75,9 @@ class Capacity:
 
 
 #: A cached capacity is measured again when a lone request's time between tokens now differs from the one
-#: probed with the measurement by more than this factor. Lone-request probes of fresh servers one after
-#: another on a quiet 2-core VM read 36-44 ms (1.22×); on a host whose speed had changed since the cached
-#: measurement (probes 17-28 ms within one run), stock vLLM met 12-20 of the burst's 73 requests against
-#: 29-54 on the same machine earlier: the cached capacity sized a burst far beyond 1.5×.
+#: probed with the measurement by more than this factor: the cache sizes every later run's phases, and a
+#: machine (or a VM's host) can run at another speed days later. Lone-request probes of fresh servers one
+#: after another on a quiet 2-core VM read 36-44 ms (1.22×), so 1.3× is outside the probe's own noise.
 STALE_SPREAD = 1.3
 
 
