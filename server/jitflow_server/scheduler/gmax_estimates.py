@@ -164,7 +164,6 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     # integer index arrays (random boolean masks are several times slower on 10^4 rows)
     lat_i, dl_i, be_i = ((kind == k).nonzero()[0] for k in (LATENCY, DEADLINE, BEST_EFFORT))
     comp_i = snap.stage_groups.members if snap.stage_groups is not None else np.zeros(0, np.int64)
-    own_tgen = None
 
     # latency-sensitive: on-time tokens of the remaining timeline
     if lat_i.size:
@@ -213,8 +212,7 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         sg = snap.stage_groups
         g = sg.group
         ng = snap.n_groups
-        tg = t_gen[:, i]
-        own_tgen = tg.copy() if prm.compound_admit == "member" else None
+        tg = t_gen[:, i]  # each member's own generation time (a copy: integer indexing)
         sum_tgen = group_sum(tg, g, ng)
         max_tgen = sg.max(tg)
         # the speed-free per-group maxima in one pass
@@ -234,14 +232,25 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
             task_slack = np.where(has_task, task_dl - now - rem_future, stage_rem)
         budget = task_slack if prm.compound_feasibility == "task" else stage_rem
         g_ok = max_tgen <= budget + 1e-9  # (K, groups)
+        rescue = prm.compound_admit == "member" and marginal is not None and snap.admit_by is not None
+        if rescue or prm.compound_priority == "commit":
+            begun = sg.max((gen[i] > 0) | snap.running[i])  # (groups,) a member is running or has generated
         if prm.compound_priority == "aggregate":
             span = sum_tgen
         elif prm.compound_priority == "slowest":
             span = max_tgen
         else:  # "commit": the members' summed bandwidth until one of them has started, then the slowest one
-            span = np.where(sg.max((gen[i] > 0) | snap.running[i]), max_tgen, sum_tgen)
+            span = np.where(begun, max_tgen, sum_tgen)
         den = span + rem_future
         t_gen[:, i] = den[:, g]
+        if rescue:
+            # "member" (GMAXParams.compound_admit): a waiting call of a stage that has begun, which
+            # admission control rejects before the next decision, fails its task and wastes what its
+            # siblings were served; saving it takes only its own start, so it is priced on its own
+            # generation time
+            with np.errstate(invalid="ignore"):
+                imminent = (snap.admit_by[i] - now <= frame_s) & begun[g]  # (K, M)
+            t_gen[:, i] = np.where(imminent, tg, t_gen[:, i])
         t_rem[i] = stage_rem[g]
         base[i] = g_tokens[g]
         feasible[:, i] = g_ok[:, g]
@@ -256,16 +265,6 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         with np.errstate(invalid="ignore"):
             at_risk = snap.admit_by - now <= np.maximum(frame_s, prm.admit_horizon)  # (K, N)
         if comp_i.size:
-            if own_tgen is not None:
-                # "member" (GMAXParams.compound_admit): a waiting call of a stage that has begun, which
-                # admission control rejects before the next decision, fails its task and wastes what its
-                # siblings were served; saving it takes only its own start, so it is priced on its own
-                # generation time
-                sg = snap.stage_groups
-                begun = sg.max((gen[comp_i] > 0) | snap.running[comp_i])[sg.group]
-                with np.errstate(invalid="ignore"):
-                    imminent = (snap.admit_by[comp_i] - now <= frame_s) & begun  # (K, M)
-                t_gen[:, comp_i] = np.where(imminent, own_tgen, t_gen[:, comp_i])
             at_risk[:, comp_i] = snap.stage_groups.max(at_risk[:, comp_i])[:, snap.stage_groups.group]
         marginal = np.where(at_risk, goodput, marginal)
     return Estimates(len_rem, t_gen, t_rem, goodput, base, feasible, marginal)
