@@ -102,6 +102,9 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
         assert sorted(t["input"] for t in a["tasks"]) == sorted(t["input"] for t in b["tasks"])
         assert a["summary"]["compound"]["n"] >= 2
     assert report["failed_tasks"] == 0
+    for run in report["runs"]:  # the server's own count of what it generated covers what met an SLO
+        assert run["generated_output_tokens"] >= run["summary"]["all"]["met_output_tokens"] > 0
+        assert 0 < run["met_output_share"] <= 1
     for side in ("vllm", "gmax"):
         probe = report["speed_probe_tbt_s"][side]
         assert probe["before"] > 0 and probe["after"] > 0

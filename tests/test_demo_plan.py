@@ -128,7 +128,7 @@ def test_summarize_counts_goodput_per_kind():
         ReqRecord("deadline", 0, "ok", True, 0.2, 5.0, 30, 100, 130),
         ReqRecord("deadline", 3, "unfinished"),
     ]
-    tasks = [{"outcome": "succeeded", "tokens": 1000, "elapsed": 30.0},
+    tasks = [{"outcome": "succeeded", "tokens": 1000, "elapsed": 30.0, "stages": [{"output_tokens": 70}] * 3},
              {"outcome": "deadline_missed", "tokens": 800, "elapsed": 70.0},
              {"outcome": "failed", "tokens": 10, "elapsed": None}]
     s = summarize_run(recs, tasks, duration=10.0)
@@ -140,6 +140,9 @@ def test_summarize_counts_goodput_per_kind():
     assert s["compound"]["p50_e2el"] == pytest.approx(50.0)
     assert s["all"]["goodput_tokens"] == 1200 and s["all"]["goodput_tok_s"] == pytest.approx(120.0)
     assert s["all"]["attainment"] == pytest.approx(3 / 8)
+    # the output tokens of what met its SLO: one chat, one deadline request, one task's three calls
+    assert (s["chat"]["met_output_tokens"], s["deadline"]["met_output_tokens"]) == (50, 100)
+    assert s["compound"]["met_output_tokens"] == 210 and s["all"]["met_output_tokens"] == 360
     empty = summarize_run([], [], 1.0)
     assert empty["chat"]["attainment"] is None and math.isclose(empty["all"]["goodput_tok_s"], 0.0)
 

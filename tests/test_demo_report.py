@@ -28,6 +28,7 @@ from jitflow_server.demo.report import (
     build_report,
     check_targets,
     compare_phase,
+    met_output_share,
     token_ceiling,
     write_markdown,
 )
@@ -114,8 +115,11 @@ def _run(side: str, phase: str, chat_met: int, deadline_met: int, tasks_met: int
     recs += [ReqRecord("deadline", float(i), "ok" if i < deadline_met else "rejected", i < deadline_met, 0.3, 8.0,
                        20, 100, 120 if i < deadline_met else 0) for i in range(5)]
     tasks = [{"t": float(i), "app": "deep-research", "outcome": "succeeded" if i < tasks_met else "deadline_missed",
-              "tokens": 1000, "elapsed": 30.0, "stages": []} for i in range(4)]
-    run = RunResult(side, phase=phase, records=recs, tasks=tasks, wall=40.0)
+              "tokens": 1000, "elapsed": 30.0, "stages": [{"output_tokens": 300}, {"output_tokens": 100}]}
+             for i in range(4)]
+    # the engine generated every record's and every task's output, plus 1 000 tokens of abandoned calls
+    run = RunResult(side, phase=phase, records=recs, tasks=tasks, wall=40.0,
+                    generated_output_tokens=10 * 50 + 5 * 100 + 4 * 400 + 1000)
     run.summary = summarize_run(recs, tasks, 40.0)
     return run
 
@@ -146,6 +150,17 @@ def test_the_token_ceiling_is_every_unit_met_over_the_baseline():
     assert token_ceiling(_run("gmax", "burst", 9, 4, 3), RunResult("vllm", phase="burst")) is None  # unpaired
 
 
+def test_the_in_slo_share_counts_the_output_of_units_that_met_their_slo():
+    run = _run("vllm", "burst", 2, 1, 1)
+    # chat 2 × 50, deadline 1 × 100 (its prompt is not output), task 1 × (300 + 100)
+    assert run.summary["all"]["met_output_tokens"] == 100 + 100 + 400
+    assert run.summary["compound"]["met_output_tokens"] == 400
+    assert met_output_share(run) == pytest.approx(600 / 3600)
+    assert met_output_share(_run("gmax", "burst", 10, 5, 4)) == pytest.approx(2600 / 3600)
+    run.generated_output_tokens = None  # the server's counter could not be read
+    assert met_output_share(run) is None
+
+
 def _report(tmp_path: Path, served_model: bool) -> dict:
     opts = DemoOptions(out=tmp_path / "r.json")
     cap = Capacity("k", 600.0, 0.05, 150.0, 4.0, 300, 20.0, "2026-11-25T00:00:00Z")
@@ -172,10 +187,13 @@ def test_report_json_markdown_and_plot(tmp_path):
     assert rep["failed_tasks"] == 0 and rep["targets"]["burst_more_compound_met"] is True
     assert rep["comparison"]["burst"]["token_goodput_ceiling"] == pytest.approx(5100 / 1220)
     assert [(r["side"], r["phase"]) for r in rep["runs"]][-1] == ("gmax", "burst")
+    assert rep["comparison"]["burst"]["met_output_share"] == pytest.approx([2050 / 3600, 600 / 3600])  # 9×50 + 4×100 + 3×400
+    assert rep["runs"][1]["generated_output_tokens"] == 3600 and rep["runs"][1]["met_output_share"] == pytest.approx(1 / 6)
     md = tmp_path / "r.md"
     write_markdown(rep, md)
     text = md.read_text()
     assert "| burst | gmax |" in text and "token goodput ratio" in text and "qrf" in text
+    assert "| 3600 | 17% |" in text and "output tokens that met an SLO 57% vs 17%" in text
     png = tmp_path / "r.png"
     plot_report(rep, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -56,7 +56,14 @@ from jitflow_server.demo.plan import (
 )
 from jitflow_server.demo.report import build_report, print_comparison, print_summary, write_markdown
 from jitflow_server.demo.runner import _import_examples, run_load
-from jitflow_server.demo.servers import start_server, wait_healthy, wait_length_model
+from jitflow_server.demo.servers import (
+    engine_state,
+    generated_output_tokens,
+    start_server,
+    wait_healthy,
+    wait_idle,
+    wait_length_model,
+)
 
 #: Report format version (docs/quickstart.md describes the schema).
 REPORT_VERSION = 2
@@ -167,23 +174,6 @@ class Phase:
     plan: Plan
 
 
-def _engine_state(url: str) -> dict[str, Any]:
-    import httpx
-
-    with contextlib.suppress(Exception):
-        return dict(httpx.get(url + "/v1/jitflow/engine", timeout=10).json())
-    return {}
-
-
-def _wait_idle(url: str, timeout: float = 60.0) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st = _engine_state(url)
-        if st and not st.get("unfinished") and not st.get("frontend_unfinished") and not st.get("server_in_flight"):
-            return
-        time.sleep(0.5)
-
-
 def _warmup(url: str) -> None:
     """One plain and one JSON-schema request so start-up costs (grammar compiler) are not charged to the
     first requests of the load."""
@@ -217,7 +207,7 @@ def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: 
         with contextlib.suppress(RuntimeError):  # no token in the short window: still warmed
             measure_capacity(url, opts.model, shapes, key="warm-up", batch_size=opts.batch_size,
                              warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7)
-    _wait_idle(url, 30)
+    wait_idle(url, 30)
 
 
 def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
@@ -253,7 +243,7 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
                                    window=opts.calibration_window, seed=opts.seed, ready=ready)
         except RuntimeError as exc:
             raise DemoError(f"capacity measurement failed: {exc}") from None
-    _wait_idle(url, 30)
+    wait_idle(url, 30)
     cap.probe_tbt_s = speed_probe(url, opts.model)
     save_cached(cap, opts.capacity_cache)
     console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
@@ -343,7 +333,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             wait_healthy(srv, side.label, opts.startup_timeout, console)
             startup = time.monotonic() - t_srv
             clock = clocks[side.label] = _Stopwatch(startup)
-            state = _engine_state(srv.base_url)
+            state = engine_state(srv.base_url)
             console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s "
                           f"({'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})")
             _warmup(srv.base_url)
@@ -382,19 +372,23 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
                     clock.lap("warm_engine_s")
                     speed[side.label] = {"before": speed_probe(srv.base_url, opts.model)}
                     clock.lap("probes_s")
-                    served[side.label] = (_engine_state(srv.base_url).get("length_predictor")
+                    served[side.label] = (engine_state(srv.base_url).get("length_predictor")
                                           if side.scheduler == "jitflow" else None)
-                _wait_idle(srv.base_url)
+                wait_idle(srv.base_url)
+                out_before = generated_output_tokens(srv.base_url)
                 run = anyio.run(functools.partial(run_load, srv.base_url, ph.plan, ph.cfg, side.label, console,
                                                   phase=ph.name))
                 if not srv.alive():
                     raise DemoError(f"the {side.label} server died during the {ph.name} phase; log tail:\n"
                                     f"{srv.log_tail()}")
+                wait_idle(srv.base_url)  # abandoned calls are counted once the server has closed them
+                out_after = generated_output_tokens(srv.base_url)
+                if out_before is not None and out_after is not None:
+                    run.generated_output_tokens = out_after - out_before
                 print_summary(run, console)
                 runs.append(run)
                 clock.lap("phases_s")
                 if i == len(phases) - 1:
-                    _wait_idle(srv.base_url)
                     speed[side.label]["after"] = speed_probe(srv.base_url, opts.model)
                     clock.lap("probes_s")
         for side in sides:

@@ -66,7 +66,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compare_phase(main: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    """Side-by-side numbers of one phase from two ``summarize_run`` results (``base`` may be None).
+    """Side-by-side numbers of one phase from two ``summarize_run`` results (``base`` may be None);
+    :func:`build_report` adds ``token_goodput_ceiling`` and ``met_output_share`` ([main, base]).
 
     Returns ``{"token_goodput_ratio", "request_goodput_ratio", "compound_met": [main, base],
     "compound_n", "attainment": {kind: [main, base]}}`` (ratios main / base, None without a baseline or
@@ -102,6 +103,19 @@ def token_ceiling(main: RunResult, base: RunResult) -> float | None:
     return _ratio(total, base.summary["all"]["goodput_tokens"])
 
 
+def met_output_share(run: RunResult) -> float | None:
+    """The share of the output tokens the engine generated during ``run`` that went to requests and tasks
+    meeting their SLO (``summary["all"]["met_output_tokens"] / generated_output_tokens``); the rest was
+    spent on calls that missed, were abandoned by their clients or refused after starting. None when the
+    server's counter could not be read or nothing was generated. An overloaded scheduler without
+    admission control keeps the engine as busy as one with it, on work that no longer counts: this is
+    where that shows."""
+    gen = run.generated_output_tokens
+    if not gen:
+        return None
+    return min(1.0, run.summary["all"]["met_output_tokens"] / gen)
+
+
 def check_targets(comparison: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
     """The demo's targets from the per-phase comparison (None where a phase or the baseline is missing):
     burst token goodput ≥ 1.3× the baseline's and more compound tasks met; normal-phase attainment ≥ 0.9
@@ -125,8 +139,10 @@ def check_targets(comparison: dict[str, dict[str, Any]]) -> dict[str, bool | Non
 
 
 def run_dict(run: RunResult) -> dict[str, Any]:
-    """A run as JSON: side label, phase, wall time, summary, per-request records, per-task reports."""
+    """A run as JSON: side label, phase, wall time, summary, the output tokens the engine generated and the
+    share of them that met an SLO, per-request records, per-task reports."""
     return {"side": run.policy, "phase": run.phase, "wall": run.wall, "summary": run.summary,
+            "generated_output_tokens": run.generated_output_tokens, "met_output_share": met_output_share(run),
             "records": [asdict(r) for r in run.records], "tasks": run.tasks}
 
 
@@ -143,6 +159,8 @@ def build_report(opts: Any, cap: Any, phases: list[Any], sides: list[Any], runs:
             continue
         comparison[ph.name] = compare_phase(main_run.summary, base_run.summary if base_run else None)
         comparison[ph.name]["token_goodput_ceiling"] = token_ceiling(main_run, base_run) if base_run else None
+        comparison[ph.name]["met_output_share"] = [met_output_share(main_run),
+                                                   met_output_share(base_run) if base_run else None]
     main_served = served.get(main_label) or {}
     used = "qrf" if main_served.get("model") else "fallback"
     warning = None if used == "qrf" else (
@@ -188,15 +206,17 @@ def comparison_rows(report: dict[str, Any]) -> list[list[str]]:
         rows.append([run["phase"], run["side"], _pct(s["chat"]["attainment"]), _pct(s["deadline"]["attainment"]),
                      f"{s['compound']['met']}/{s['compound']['n']}", _pct(s["all"]["attainment"]),
                      f"{s['all']['goodput_tok_s']:.0f}", f"{s['all']['goodput_req_s']:.2f}", str(s["all"]["rejected"]),
+                     _fmt(run.get("generated_output_tokens"), "d"), _pct(run.get("met_output_share")),
                      _fmt(s["chat"]["p50_ttft"], ".2f", "s"), _fmt(s["chat"]["p95_ttft"], ".2f", "s"),
                      _fmt(s["chat"]["p50_tbt"], ".3f", "s"), _fmt(s["chat"]["p95_tbt"], ".3f", "s"),
                      _fmt(s["deadline"]["p50_e2el"], ".1f", "s"), _fmt(s["deadline"]["p95_e2el"], ".1f", "s")])
     return rows
 
 
+#: ``output tokens``: all the engine generated in the run; ``in SLO``: the share of them that met an SLO.
 COMPARISON_COLUMNS = ("phase", "scheduler", "chat att.", "deadline att.", "compound met", "all att.",
-                      "goodput tok/s", "goodput req/s", "rejected", "P50 TTFT", "P95 TTFT", "P50 TBT", "P95 TBT",
-                      "P50 E2EL (deadline)", "P95 E2EL (deadline)")
+                      "goodput tok/s", "goodput req/s", "rejected", "output tokens", "in SLO", "P50 TTFT", "P95 TTFT",
+                      "P50 TBT", "P95 TBT", "P50 E2EL (deadline)", "P95 E2EL (deadline)")
 
 
 def print_comparison(report: dict[str, Any], console: Any) -> None:
@@ -216,7 +236,8 @@ def print_comparison(report: dict[str, Any], console: Any) -> None:
         console.print(f"[bold]{phase} phase: {main} / {base} token goodput [reverse] {_x(c['token_goodput_ratio'])} "
                       f"[/reverse] (every SLO met would be {_x(c.get('token_goodput_ceiling'))}), requests meeting "
                       f"their SLO {_x(c['request_goodput_ratio'])}, compound tasks met "
-                      f"{c['compound_met'][0]} vs {c['compound_met'][1]} of {c['compound_n']}[/bold]")
+                      f"{c['compound_met'][0]} vs {c['compound_met'][1]} of {c['compound_n']}[/bold]; output "
+                      f"tokens that met an SLO {_pct(c['met_output_share'][0])} vs {_pct(c['met_output_share'][1])}")
     for name, ok in report["targets"].items():
         if ok is not None:
             console.print(f"  target {name}: {'[green]met[/green]' if ok else '[red]missed[/red]'}")
@@ -252,7 +273,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             lines.append(f"- **{phase}**: token goodput ratio **{_x(c['token_goodput_ratio'])}** (every SLO met: "
                          f"{_x(c.get('token_goodput_ceiling'))}), request goodput "
                          f"ratio {_x(c['request_goodput_ratio'])}, compound tasks met {c['compound_met'][0]} vs "
-                         f"{c['compound_met'][1]} of {c['compound_n']}")
+                         f"{c['compound_met'][1]} of {c['compound_n']}, output tokens that met an SLO "
+                         f"{_pct(c['met_output_share'][0])} vs {_pct(c['met_output_share'][1])}")
     lines += ["", "Targets: " + ", ".join(f"{k} {'met' if v else 'missed'}" for k, v in report["targets"].items()
                                           if v is not None), ""]
     lp = report["length_predictor"]

@@ -54,9 +54,11 @@ def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duratio
     Returns:
         ``{kind: {"n", "met", "attainment", "goodput_tokens", "goodput_tok_s", "goodput_req_s",
         "rejected", "errors", "unfinished", "p50_ttft", "p95_ttft", "p50_tbt", "p95_tbt", "p50_e2el",
-        "p95_e2el"}}`` for kinds ``chat``, ``deadline``, ``compound``, and for ``all`` (attainment over
-        all units) ``n``, ``met``, ``attainment``, the three goodputs, ``rejected`` and ``failed_tasks``.
-        Request goodput (``goodput_req_s``) counts units (requests, tasks) that met their SLO per second.
+        "p95_e2el", "met_output_tokens"}}`` for kinds ``chat``, ``deadline``, ``compound``, and for ``all``
+        (attainment over all units) ``n``, ``met``, ``attainment``, the three goodputs, ``rejected``,
+        ``failed_tasks`` and ``met_output_tokens``. Request goodput (``goodput_req_s``) counts units
+        (requests, tasks) that met their SLO per second; ``met_output_tokens`` is the output tokens of
+        the units that met it (a task's: every call's), the part of the engine's work that counted.
     """
     out: dict[str, dict[str, Any]] = {}
     for kind in ("chat", "deadline"):
@@ -74,6 +76,7 @@ def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duratio
             "p50_ttft": _pct(ttfts, 0.5), "p95_ttft": _pct(ttfts, 0.95),
             "p50_tbt": _pct(tbts, 0.5), "p95_tbt": _pct(tbts, 0.95),
             "p50_e2el": _pct(e2els, 0.5), "p95_e2el": _pct(e2els, 0.95),
+            "met_output_tokens": sum(r.output_tokens for r in rs if r.slo_met),
         }
     met_t = [t for t in tasks if t.get("outcome") == "succeeded"]
     gp_t = sum(int(t.get("tokens") or 0) for t in met_t)
@@ -87,6 +90,7 @@ def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duratio
         "unfinished": sum(t.get("outcome") == "unfinished" for t in tasks),
         "deadline_missed": sum(t.get("outcome") == "deadline_missed" for t in tasks),
         "p50_ttft": None, "p95_ttft": None, "p50_tbt": None, "p95_tbt": None, "p50_e2el": _pct(el, 0.5), "p95_e2el": _pct(el, 0.95),
+        "met_output_tokens": sum(int(s.get("output_tokens") or 0) for t in met_t for s in t.get("stages") or []),
     }
     n_all = sum(out[k]["n"] for k in KINDS)
     met_all = sum(out[k]["met"] for k in KINDS)
@@ -94,14 +98,17 @@ def summarize_run(records: list[ReqRecord], tasks: list[dict[str, Any]], duratio
     out["all"] = {"n": n_all, "met": met_all, "attainment": met_all / n_all if n_all else None,
                   "goodput_tokens": gp_all, "goodput_tok_s": gp_all / duration, "goodput_req_s": met_all / duration,
                   "rejected": sum(out[k]["rejected"] for k in KINDS),
-                  "failed_tasks": out["compound"]["errors"]}
+                  "failed_tasks": out["compound"]["errors"],
+                  "met_output_tokens": sum(out[k]["met_output_tokens"] for k in KINDS)}
     return out
 
 
 
 @dataclass
 class RunResult:
-    """One load run under one policy."""
+    """One load run under one policy. ``generated_output_tokens``: every output token the server's engine
+    generated during the run (its ``jitflow_output_tokens`` counter, rejected and abandoned calls
+    included), None when it could not be read."""
 
     policy: str
     phase: str = ""
@@ -109,3 +116,4 @@ class RunResult:
     tasks: list[dict[str, Any]] = field(default_factory=list)
     wall: float = 0.0
     summary: dict[str, Any] = field(default_factory=dict)
+    generated_output_tokens: int | None = None

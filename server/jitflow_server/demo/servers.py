@@ -9,6 +9,7 @@ uses both cores). Once started, both stay up: the phases run interleaved (demo/m
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,3 +52,37 @@ def wait_length_model(length: LengthModelJob, console: Any) -> None:
     busy = not length.done()
     with console.status(f"training the length model ({length.source_kind}) ...") if busy else contextlib.nullcontext():
         length.wait()
+
+
+def engine_state(url: str) -> dict[str, Any]:
+    """The server's ``GET /v1/jitflow/engine`` document, ``{}`` when it cannot be read."""
+    import httpx
+
+    with contextlib.suppress(Exception):
+        return dict(httpx.get(url + "/v1/jitflow/engine", timeout=10).json())
+    return {}
+
+
+def generated_output_tokens(url: str) -> int | None:
+    """Output tokens the server at ``url`` has generated so far: the sum of its ``jitflow_output_tokens``
+    counter over every kind and application, read from ``/metrics`` (every finished call counts, the
+    aborted and the rejected included). None when the endpoint cannot be read."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    return int(sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "jitflow_output_tokens"
+                   for s in fam.samples if s.name == "jitflow_output_tokens_total"))
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> None:
+    """Wait (at most ``timeout`` s) until the server at ``url`` has no call in flight or queued."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = engine_state(url)
+        if st and not st.get("unfinished") and not st.get("frontend_unfinished") and not st.get("server_in_flight"):
+            return
+        time.sleep(0.5)
