@@ -83,18 +83,27 @@ def test_a_stale_cached_capacity_is_measured_again(server_url, tmp_path):
     assert "speed changed since its capacity was measured" in (tmp_path / "console.txt").read_text()
 
 
-def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
+@pytest.mark.parametrize("together", [True, False], ids=["at-once", "in-turn"])
+def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path, together):
     slos = DemoConfig(chat_tokens=(8, 24), deadline_tokens=(8, 24), research_deadline=60, tot_deadline=60, grace=20)
     opts = DemoOptions(model="tiny", phase_duration=4.0, capacity_scale=4.0, slos=slos, seed=3,
-                       out=tmp_path / "demo-report.json", model_cache=tmp_path / "models", batch_size=8)
+                       out=tmp_path / "demo-report.json", model_cache=tmp_path / "models", batch_size=8,
+                       together=together)
     console = Console(file=open(tmp_path / "console.txt", "w"), width=200)  # noqa: SIM115
     report = run_demo(opts, console)
     console.file.close()
     on_disk = json.loads((tmp_path / "demo-report.json").read_text())
     assert on_disk["version"] == report["version"] == 2
-    # both servers stay up and the phases run interleaved, the sides' order reversed in the second phase
-    assert [(r["side"], r["phase"]) for r in report["runs"]] == [("vllm", "normal"), ("gmax", "normal"),
-                                                                  ("gmax", "burst"), ("vllm", "burst")]
+    if together:  # both at once, each engine's compute threads on cores of its own
+        assert report["together"] is True and set(report["cores"]) == {"vllm", "gmax"}
+        cores = [set(c.split(",")) for c in report["cores"].values()]
+        assert cores[0] and cores[1] and not cores[0] & cores[1]
+        assert [(r["side"], r["phase"]) for r in report["runs"]] == [("vllm", "normal"), ("gmax", "normal"),
+                                                                      ("vllm", "burst"), ("gmax", "burst")]
+    else:  # in turn: the phases interleaved, the sides' order reversed in the second phase
+        assert report["together"] is False and report["cores"] is None
+        assert [(r["side"], r["phase"]) for r in report["runs"]] == [("vllm", "normal"), ("gmax", "normal"),
+                                                                      ("gmax", "burst"), ("vllm", "burst")]
     by = {(r["side"], r["phase"]): r for r in report["runs"]}
     for phase in ("normal", "burst"):
         a, b = by[("vllm", phase)], by[("gmax", phase)]
@@ -108,12 +117,14 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path):
     for side in ("vllm", "gmax"):
         probe = report["speed_probe_tbt_s"][side]
         assert probe["before"] > 0 and probe["after"] > 0
-    # Where the time went, per side: every step counted once, the phases at least as long as their runs.
+    # Where the time went (per side in turn, for both at once): every step counted once, the phases at
+    # least as long as their runs.
     timings = report["timings_s"]
-    for side in ("vllm", "gmax"):
-        assert set(timings[side]) == {"server_start_s", "warmup_s", "capacity_s", "warm_engine_s", "probes_s",
-                                      "phases_s", "stop_s"}
-        assert timings[side]["phases_s"] >= sum(by[(side, p)]["wall"] for p in ("normal", "burst"))
+    assert set(timings) == ({"vllm+gmax"} if together else {"vllm", "gmax"})
+    for label, laps in timings.items():
+        assert set(laps) == {"server_start_s", "warmup_s", "capacity_s", "warm_engine_s", "probes_s", "phases_s"}
+        for side in label.split("+"):
+            assert laps["phases_s"] >= sum(by[(side, p)]["wall"] for p in ("normal", "burst"))
     assert sum(sum(t.values()) for t in timings.values()) <= report["wall_s"]
     # The burst phase offers more than the normal phase.
     n_normal, n_burst = (sum(report["phases"][i]["counts"].values()) for i in (0, 1))

@@ -4,6 +4,7 @@ comparison and its targets, the markdown and PNG reports, and the length model's
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from jitflow_server.demo.calibrate import (
 )
 from jitflow_server.demo.length_model import SHIPPED_CORPUS, model_path, training_sources
 from jitflow_server.demo.main import DemoOptions, speed_warning
+from jitflow_server.demo.options import side_cores
 from jitflow_server.demo.plan import REPO_ROOT
 from jitflow_server.demo.report import (
     build_report,
@@ -60,11 +62,20 @@ def test_mix_demand_weights_each_call_by_its_rate(tmp_path):
     assert sum(s.prompt_tokens > 0 for s in shapes) == 3 and sum(s.text is not None for s in shapes) == 3
 
 
+@pytest.mark.parametrize(("cpus", "n", "want"), [({0, 1}, 2, ["0", "1"]), ({2, 3, 0, 1}, 2, ["0,1", "2,3"]),
+                                                 ({0, 1, 2}, 2, ["0", "1"]), ({5}, 2, None), ({0, 1}, 1, None)])
+def test_each_side_gets_cores_of_its_own(monkeypatch, cpus, n, want):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))  # the machine's cores
+    assert side_cores(n) == want
+
+
 def test_capacity_cache_round_trip_and_corrupt_file(tmp_path):
     cache = tmp_path / "cap.json"
     key = machine_key("demo", "bfloat16", 32)
     assert key != machine_key("tiny", "bfloat16", 32) and key != machine_key("demo", "float32", 32)
     assert key == machine_key("demo", "bfloat16", 32)
+    # an engine bound to one core is measured apart from one with vLLM's own binding
+    assert machine_key("demo", "bfloat16", 32, "1") == machine_key("demo", "bfloat16", 32, "0") != key
     assert load_cached(key, cache) is None
     cap = Capacity(key, 600.0, 0.05, 150.0, 4.0, 300, 20.0, "2026-11-25T00:00:00Z")
     save_cached(cap, cache)

@@ -91,8 +91,9 @@ def is_stale(cap: Capacity, probe_tbt_s: float | None, spread: float = STALE_SPR
     return max(old, probe_tbt_s) > spread * min(old, probe_tbt_s)
 
 
-def machine_key(model: str, dtype: str | None, batch_size: int) -> str:
-    """Cache key of a capacity measurement: CPU model, cores, speed flags, model, dtype, B, vLLM version."""
+def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | None = None) -> str:
+    """Cache key of a capacity measurement: CPU model, cores, speed flags, model, dtype, B, vLLM version,
+    and ``cores``, the cores the engine's compute threads were bound to (None: vLLM's own binding)."""
     cpu, flags = "unknown-cpu", set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -108,6 +109,8 @@ def machine_key(model: str, dtype: str | None, batch_size: int) -> str:
         vllm = "unknown"
     speed = ",".join(f for f in SPEED_FLAGS if f in flags)
     raw = f"v{CALIBRATION_VERSION}|{cpu}|{os.cpu_count()}|{speed}|{model}|{dtype}|B{batch_size}|vllm {vllm}"
+    if cores is not None:
+        raw += f"|{len(cores.split(','))} core(s) bound"
     return raw + "|" + hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 

@@ -2,20 +2,24 @@
 
 1. The length model is trained once (or reused from its cache) while the first server starts; the
    capacity window opens only once training has ended.
-2. The first server (the baseline) starts; the engine's capacity on the demo's mix is measured on it
-   (or read from the per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase
-   (1.5×). The SLOs scale with the measured step time too (:func:`slo_factor`): the load and the SLOs
-   are then the same for the engine whatever the CPU.
-3. Each side (baseline, then jitflow) gets its own server, fresh pattern history (``patterns/*.jsonl``)
-   and the identical plans (same arrivals, prompts, tasks). The servers start one after the other and
-   both stay up; the phases then run interleaved, the sides' order reversed from one phase to the next
-   (normal: baseline, jitflow; burst: jitflow, baseline), so that the two runs of a phase are close in
-   time. Between runs the engine drains.
+2. Each side (baseline, then jitflow) gets its own server, fresh pattern history (``patterns/*.jsonl``)
+   and the identical plans (same arrivals, prompts, tasks). By default the two run **at once**, each
+   engine's compute threads bound to its own half of the machine's cores (:func:`side_cores`): the
+   servers start together and every phase runs on both at the same moments, so a change in the
+   machine's speed (another process, the host) hits both alike. With ``--in-turn`` (or one core) they
+   run one after the other on the whole machine, the phases interleaved and the sides' order reversed
+   from one phase to the next (normal: baseline, jitflow; burst: jitflow, baseline).
+3. The engine's capacity on the demo's mix is measured on the baseline's engine (or read from the
+   per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase (1.5×), the
+   capacity of one side's engine. The SLOs scale with the measured step time too
+   (:func:`slo_factor`): the load and the SLOs are then the same for the engine whatever the CPU.
+   Before each phase the engines drain.
 4. The report compares the sides per phase (``report.py``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -24,14 +28,12 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jitflow_server.bench.server_process import ServerProcess
 from jitflow_server.demo.calibrate import (
     CAPACITY_WARMUP_S,
-    DEFAULT_CACHE,
     CallShape,
     Capacity,
     is_stale,
@@ -44,12 +46,11 @@ from jitflow_server.demo.calibrate import (
     speed_probe,
     task_calls,
 )
-from jitflow_server.demo.length_model import DEFAULT_DIR, LengthModelJob, start_length_model
+from jitflow_server.demo.length_model import LengthModelJob, start_length_model
+from jitflow_server.demo.options import DemoOptions, Phase, Side, side_cores
 from jitflow_server.demo.plan import (
     REPO_ROOT,
-    DemoConfig,
     DemoError,
-    Plan,
     build_plan,
     phase_config,
     scaled_slos,
@@ -67,111 +68,6 @@ from jitflow_server.demo.servers import (
 
 #: Report format version (docs/quickstart.md describes the schema).
 REPORT_VERSION = 2
-
-
-@dataclass
-class Side:
-    """One scheduler the demo runs the phases under.
-
-    Attributes:
-        label: name in the report (``gmax``, ``vllm``).
-        scheduler: ``jitflow`` (the plug-in with ``policy``) or ``vllm`` (stock vLLM, no plug-in).
-        policy: the plug-in's policy (``None`` for stock vLLM).
-    """
-
-    label: str
-    scheduler: str
-    policy: str | None = None
-    params: tuple[str, ...] = ()
-
-    def serve_args(self) -> list[str]:
-        """``jitflow serve`` arguments selecting this scheduler."""
-        if self.scheduler == "vllm":
-            return ["--scheduler", "vllm"]
-        out = ["--scheduler", "jitflow", "--policy", self.policy or "gmax"]
-        for p in self.params:
-            out += ["--param", p]
-        return out
-
-
-@dataclass
-class DemoOptions:
-    """Everything ``jitflow demo`` needs (times in seconds).
-
-    Attributes:
-        data_dir: trace folder (AlpacaEval + Azure) or None for the built-in prompts and Poisson arrivals.
-        model: ``jitflow serve --model`` value.
-        policy: jitflow's policy.
-        baseline: ``vllm`` (stock vLLM scheduling, no plug-in), another policy name run in the plug-in,
-            or ``none`` (jitflow only).
-        phase_duration: seconds of arrivals per phase.
-        normal_load, burst_load: phase loads as multiples of the measured capacity.
-        capacity_scale: skip the measurement and use this capacity (load-scale units).
-        recalibrate: measure even if the cache has this machine.
-        calibration_window: seconds of the capacity measurement (after its warm-up,
-            ``calibrate.CAPACITY_WARMUP_S``).
-        slos: SLOs, token ranges and chat grace of every phase (rates and counts are set per phase).
-        seed: seed of the plans (normal phase ``seed``, burst ``seed + 1``).
-        out: report JSON path (``.md`` and ``.png`` next to it).
-        patterns: pattern corpora (default ``patterns/*.jsonl``).
-        batch_size: B of both engines.
-        startup_timeout: seconds to wait for each server's ``/health``.
-        capacity_cache, model_cache: cache locations.
-        params: ``NAME=VALUE`` parameters of jitflow's policy (``jitflow serve --param``).
-        scale_slos: multiply ``slos``' times by :func:`slo_factor` of the measured capacity.
-    """
-
-    data_dir: Path | None = None
-    model: str = "demo"
-    policy: str = "gmax"
-    baseline: str = "vllm"
-    phase_duration: float = 40.0
-    normal_load: float = 0.7
-    burst_load: float = 1.5
-    capacity_scale: float | None = None
-    recalibrate: bool = False
-    calibration_window: float = 16.0
-    slos: DemoConfig = field(default_factory=lambda: DemoConfig(grace=20.0))
-    seed: int = 0
-    out: Path = Path("demo-report.json")
-    patterns: list[Path] | None = None
-    batch_size: int = 32
-    startup_timeout: float = 300.0
-    capacity_cache: Path = DEFAULT_CACHE
-    model_cache: Path = DEFAULT_DIR
-    params: list[str] = field(default_factory=list)
-    scale_slos: bool = True
-
-    def sides(self) -> list[Side]:
-        """The baseline (if any) first, then jitflow."""
-        main = Side(self.policy, "jitflow", self.policy, tuple(self.params))
-        if self.baseline == "none":
-            return [main]
-        base = Side("vllm", "vllm") if self.baseline == "vllm" else Side(self.baseline, "jitflow", self.baseline)
-        return [base, main]
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad option."""
-        for name in ("phase_duration", "normal_load", "burst_load", "calibration_window"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"{name} must be > 0, got {v!r}")
-        if self.capacity_scale is not None and not self.capacity_scale > 0:
-            raise ValueError(f"capacity_scale must be > 0, got {self.capacity_scale!r}")
-        if self.baseline == self.policy:
-            raise ValueError("baseline and policy are the same")
-        self.slos.validate()
-
-
-@dataclass
-class Phase:
-    """One phase of the demo: its load (× capacity), the base-mix scale, config and plan."""
-
-    name: str
-    load: float
-    scale: float
-    cfg: DemoConfig
-    plan: Plan
 
 
 def _warmup(url: str) -> None:
@@ -201,9 +97,11 @@ def _mix(opts: DemoOptions, patterns: list[Path]) -> list[CallShape]:
 WARM_ENGINE_S = 6.0
 
 
-def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: Any) -> None:
-    """Warm the engine with the demo's mix (closed loop, :data:`WARM_ENGINE_S` seconds)."""
-    with console.status(f"warming the engine ({WARM_ENGINE_S:.0f} s of the demo mix) ..."):
+def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: Any | None) -> None:
+    """Warm the engine with the demo's mix (closed loop, :data:`WARM_ENGINE_S` seconds); a status line on
+    ``console`` unless it is None (engines warmed at once share their caller's)."""
+    status = console.status(f"warming the engine ({WARM_ENGINE_S:.0f} s of the demo mix) ...") if console else None
+    with status or contextlib.nullcontext():
         with contextlib.suppress(RuntimeError):  # no token in the short window: still warmed
             measure_capacity(url, opts.model, shapes, key="warm-up", batch_size=opts.batch_size,
                              warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7)
@@ -211,15 +109,18 @@ def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: 
 
 
 def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
-              ready: Callable[[], bool] | None = None, settle: Callable[[], None] | None = None) -> Capacity:
+              ready: Callable[[], bool] | None = None, settle: Callable[[], None] | None = None,
+              cores: str | None = None) -> Capacity:
     """The engine's capacity on the demo mix: given (``--capacity``), cached, or measured on ``url``.
 
     A cached measurement is used only while the machine runs at its speed: a lone request's time between
     tokens is probed (after ``settle``, which waits until nothing else uses the CPU, i.e. the length
     model's training) and compared with the probe stored with it (:func:`is_stale`); a changed speed
     measures again. ``ready`` holds the measurement's window shut (see :func:`measure_capacity`).
+    ``cores``: the cores the engine's compute threads are bound to (None: vLLM's own binding), part of
+    the cache key.
     Raises :class:`DemoError` when the measurement fails."""
-    key = machine_key(opts.model, dtype, opts.batch_size)
+    key = machine_key(opts.model, dtype, opts.batch_size, cores)
     if opts.capacity_scale is not None:
         d = mix_demand(shapes)
         return Capacity(key, opts.capacity_scale * d, float("nan"), d, opts.capacity_scale, 0, 0.0,
@@ -277,6 +178,175 @@ def _phases(opts: DemoOptions, cap: Capacity) -> list[Phase]:
     return out
 
 
+def _announce(opts: DemoOptions, cap: Capacity, phases: list[Phase], console: Any) -> None:
+    f, s = slo_factor(opts, cap), phases[0].cfg
+    console.print(f"SLOs ×{f:.2f} for this machine's speed ({cap.step_s * 1000:.0f} ms between tokens at "
+                  f"full batch, set for {REFERENCE_STEP_S * 1000:.0f} ms): chat TTFT {s.ttft:.2f} s, TBT "
+                  f"{s.tbt:.3f} s; deadline {s.deadline:.1f} s; tasks {s.research_deadline:.0f} / "
+                  f"{s.tot_deadline:.0f} s")
+    for ph in phases:
+        c = ph.cfg
+        console.print(f"phase [bold]{ph.name}[/bold]: {ph.load:.1f}× capacity = chat {c.chat_rate:.2f}/s, "
+                      f"deadline {c.deadline_rate:.2f}/s, {c.research_tasks} deep-research and "
+                      f"{c.tot_tasks} tree-of-thoughts tasks in {c.duration:.0f} s "
+                      f"({ph.plan.prompt_source} prompts, {ph.plan.arrival_source} arrivals)")
+
+
+class _Run:
+    """One demo run's moving parts: the servers per side, the length model, what was measured so far."""
+
+    def __init__(self, opts: DemoOptions, sides: list[Side], cores: list[str] | None, length: LengthModelJob,
+                 patterns: list[Path], shapes: list[CallShape], tmp: Path, console: Any) -> None:
+        self.opts, self.sides, self.cores, self.length = opts, sides, cores, length
+        self.patterns, self.shapes, self.tmp, self.console = patterns, shapes, tmp, console
+        self.servers: dict[str, ServerProcess] = {}  # label -> its server, while it runs
+        self.runs: list[Any] = []
+        self.served: dict[str, Any] = {}
+        self.speed: dict[str, dict[str, float | None]] = {}
+        self.cap: Capacity | None = None
+        self.phases: list[Phase] = []
+        self.measured_on: str | None = None  # the side whose server ran the capacity measurement
+
+    def launch(self, k: int) -> ServerProcess:
+        side = self.sides[k]
+        if side.scheduler != "vllm" or k > 0:  # the length model trains while the first server starts
+            wait_length_model(self.length, self.console)
+        srv = self.servers[side.label] = start_server(
+            side.label, side.serve_args(), model=self.opts.model, batch_size=self.opts.batch_size,
+            startup_timeout=self.opts.startup_timeout, tmp=self.tmp, patterns=self.patterns,
+            length=self.length if side.scheduler != "vllm" else None,
+            omp_cores=self.cores[k] if self.cores else None)
+        return srv
+
+    def ready(self, side: Side, startup: float, clock: _Stopwatch) -> None:
+        """After ``side``'s server answers: warm-up requests, and the capacity on the first side (timed on
+        ``clock`` as ``warmup_s`` and ``capacity_s``)."""
+        srv, opts = self.servers[side.label], self.opts
+        where = f" (engine on core(s) {self.cores[self.sides.index(side)]})" if self.cores else ""
+        self.console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s ("
+                           f"{'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})"
+                           + where)
+        state = engine_state(srv.base_url)
+        _warmup(srv.base_url)
+        clock.lap("warmup_s")
+        if self.cap is None:
+            self.cap = _capacity(opts, srv.base_url, state.get("dtype"), self.shapes, self.console,
+                                 ready=self.length.done, settle=functools.partial(wait_length_model, self.length,
+                                                                                   self.console),
+                                 cores=self.cores[self.sides.index(side)] if self.cores else None)
+            self.measured_on = None if self.cap.cached else side.label
+            self.phases = _phases(opts, self.cap)
+            _announce(opts, self.cap, self.phases, self.console)
+        wait_length_model(self.length, self.console)  # nothing else may share the CPU from here on
+        clock.lap("capacity_s")
+
+    def before_first_phase(self, side: Side, quiet: bool = False) -> None:
+        """The engine warm-up, unless the capacity measurement just warmed it (``quiet``: no status line)."""
+        srv = self.servers[side.label]
+        if side.label != self.measured_on:
+            _warm_engine(srv.base_url, self.opts, self.shapes, None if quiet else self.console)
+
+    def probe(self, side: Side, when: str) -> None:
+        srv = self.servers[side.label]
+        self.speed.setdefault(side.label, {})[when] = speed_probe(srv.base_url, self.opts.model)
+        if when == "before":
+            self.served[side.label] = (engine_state(srv.base_url).get("length_predictor")
+                                       if side.scheduler == "jitflow" else None)
+
+    def run_phase(self, ph: Phase, sides: list[Side]) -> None:
+        """Run ``ph`` on ``sides`` at once (one side: alone), each from an idle engine, and record the runs
+        with the output tokens each engine generated."""
+        import anyio
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        urls = [self.servers[s.label].base_url for s in sides]
+        for u in urls:
+            wait_idle(u)
+        before = [generated_output_tokens(u) for u in urls]
+        results: dict[int, Any] = {}
+
+        async def both() -> None:
+            with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                          console=self.console) as prog:
+                async with anyio.create_task_group() as tg:
+                    for i, (side, url) in enumerate(zip(sides, urls, strict=True)):
+                        async def one(i: int = i, side: Side = side, url: str = url) -> None:
+                            results[i] = await run_load(url, ph.plan, ph.cfg, side.label, self.console,
+                                                        phase=ph.name, progress=prog)
+                        tg.start_soon(one)
+
+        anyio.run(both)
+        for i, side in enumerate(sides):
+            srv = self.servers[side.label]
+            if not srv.alive():
+                raise DemoError(f"the {side.label} server died during the {ph.name} phase; log tail:\n"
+                                f"{srv.log_tail()}")
+            wait_idle(urls[i])  # abandoned calls are counted once the server has closed them
+            after = generated_output_tokens(urls[i])
+            run = results[i]
+            if before[i] is not None and after is not None:
+                run.generated_output_tokens = after - before[i]
+            print_summary(run, self.console)
+            self.runs.append(run)
+
+
+def _in_turn(r: _Run) -> dict[str, dict[str, float]]:
+    """The sides one after the other on the whole machine: servers start in turn and stay up; the phases
+    run interleaved, the sides' order reversed from one phase to the next (normal: baseline then jitflow;
+    burst: jitflow then baseline), so the two runs of a phase are about a minute apart. Returns the
+    seconds per step and side."""
+    clocks: dict[str, _Stopwatch] = {}
+    for k, side in enumerate(r.sides):  # start-up: one server at a time (servers.py says why)
+        t_srv = time.monotonic()
+        srv = r.launch(k)
+        wait_healthy(srv, side.label, r.opts.startup_timeout, r.console)
+        clock = clocks[side.label] = _Stopwatch(time.monotonic() - t_srv)
+        r.ready(side, clock.laps["server_start_s"], clock)
+    for i, ph in enumerate(r.phases):
+        for side in (r.sides if i % 2 == 0 else r.sides[::-1]):
+            clock = clocks[side.label]
+            clock.restart()
+            if side.label not in r.speed:
+                r.before_first_phase(side)
+                clock.lap("warm_engine_s")
+                r.probe(side, "before")
+                clock.lap("probes_s")
+            r.run_phase(ph, [side])
+            clock.lap("phases_s")
+            if i == len(r.phases) - 1:
+                r.probe(side, "after")
+                clock.lap("probes_s")
+    return {label: c.laps for label, c in clocks.items()}
+
+
+def _together(r: _Run) -> dict[str, dict[str, float]]:
+    """Both sides at once, each engine on its own cores (:func:`side_cores`): the servers start together,
+    the capacity is measured on one side's engine (the other idle), and each phase runs on both at the
+    same moments. Returns the seconds per step, under the key ``"+".join(labels)``."""
+    t0 = time.monotonic()
+    for k in range(len(r.sides)):
+        r.launch(k)
+    for side in r.sides:
+        wait_healthy(r.servers[side.label], side.label, r.opts.startup_timeout, r.console)
+    clock = _Stopwatch(time.monotonic() - t0)
+    for side in r.sides:
+        r.ready(side, clock.laps["server_start_s"], clock)
+    with (r.console.status(f"warming the engines ({WARM_ENGINE_S:.0f} s of the demo mix, at once) ..."),
+          concurrent.futures.ThreadPoolExecutor(len(r.sides)) as pool):  # each engine on its own cores
+        list(pool.map(functools.partial(r.before_first_phase, quiet=True), r.sides))
+    clock.lap("warm_engine_s")
+    for side in r.sides:
+        r.probe(side, "before")
+    clock.lap("probes_s")
+    for ph in r.phases:
+        r.run_phase(ph, r.sides)
+        clock.lap("phases_s")
+    for side in r.sides:
+        r.probe(side, "after")
+    clock.lap("probes_s")
+    return {"+".join(s.label for s in r.sides): clock.laps}
+
+
 def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
     """Run the demo (see the module docstring) and return the report (also written to ``opts.out`` and
     next to it as ``.md`` and ``.png``).
@@ -286,7 +356,6 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
             measurement failed.
         ValueError: invalid ``opts``.
     """
-    import anyio
     from rich.console import Console
 
     import jitflow
@@ -301,110 +370,32 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="jitflow-demo-"))
     length: LengthModelJob | None = None
-    servers: dict[str, ServerProcess] = {}  # label -> its server, while it runs
+    r: _Run | None = None
     keep_logs = False
     try:
         length = start_length_model(opts.data_dir, tmp / "train-length.log", opts.model_cache)
         console.print(f"length model: {'training on' if length.trained else 'cached, trained on'} "
                       f"{len(length.sources)} {length.source_kind} file(s) -> {length.path}")
         sides = opts.sides()
-        shapes = _mix(opts, patterns)  # the mix as call shapes: for the warm-ups and the capacity
-        runs: list[Any] = []
-        clocks: dict[str, _Stopwatch] = {}
-        served: dict[str, Any] = {}
-        speed: dict[str, dict[str, float | None]] = {}
-        timings: dict[str, dict[str, float]] = {}
-        cap: Capacity | None = None
-        phases: list[Phase] = []
-
-        def launch(side: Side) -> ServerProcess:
-            return start_server(side.label, side.serve_args(), model=opts.model, batch_size=opts.batch_size,
-                                startup_timeout=opts.startup_timeout, tmp=tmp, patterns=patterns,
-                                length=length if side.scheduler != "vllm" else None)
-
-        measured_on: str | None = None  # the side whose server just ran the capacity measurement
-        for k, side in enumerate(sides):  # start-up: one server at a time (servers.py says why)
-            t_srv = time.monotonic()
-            # The length model trains while the first server starts; a server that serves with the model
-            # waits for it.
-            if side.scheduler != "vllm" or k > 0:
-                wait_length_model(length, console)
-            srv = servers[side.label] = launch(side)
-            wait_healthy(srv, side.label, opts.startup_timeout, console)
-            startup = time.monotonic() - t_srv
-            clock = clocks[side.label] = _Stopwatch(startup)
-            state = engine_state(srv.base_url)
-            console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s "
-                          f"({'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})")
-            _warmup(srv.base_url)
-            clock.lap("warmup_s")
-            if cap is None:
-                cap = _capacity(opts, srv.base_url, state.get("dtype"), shapes, console,
-                                ready=length.done, settle=functools.partial(wait_length_model, length, console))
-                measured_on = None if cap.cached else side.label
-                phases = _phases(opts, cap)
-                f, s = slo_factor(opts, cap), phases[0].cfg
-                console.print(f"SLOs ×{f:.2f} for this machine's speed ({cap.step_s * 1000:.0f} ms between tokens at "
-                              f"full batch, set for {REFERENCE_STEP_S * 1000:.0f} ms): chat TTFT {s.ttft:.2f} s, TBT "
-                              f"{s.tbt:.3f} s; deadline {s.deadline:.1f} s; tasks {s.research_deadline:.0f} / "
-                              f"{s.tot_deadline:.0f} s")
-                for ph in phases:
-                    c = ph.cfg
-                    console.print(f"phase [bold]{ph.name}[/bold]: {ph.load:.1f}× capacity = chat {c.chat_rate:.2f}/s, "
-                                  f"deadline {c.deadline_rate:.2f}/s, {c.research_tasks} deep-research and "
-                                  f"{c.tot_tasks} tree-of-thoughts tasks in {c.duration:.0f} s "
-                                  f"({ph.plan.prompt_source} prompts, {ph.plan.arrival_source} arrivals)")
-            wait_length_model(length, console)  # nothing else may share the CPU from here on
-            clock.lap("capacity_s")
-        # The phases run interleaved on the live servers, the sides' order reversed from one phase to the
-        # next (normal: baseline then jitflow; burst: jitflow then baseline), so that the two runs of a
-        # phase are about a minute apart: this machine's speed wandered by up to 20 % over minutes.
-        for i, ph in enumerate(phases):
-            for side in (sides if i % 2 == 0 else sides[::-1]):
-                srv, clock = servers[side.label], clocks[side.label]
-                clock.restart()
-                if side.label not in speed:
-                    # Every side runs the demo mix closed-loop right before its first phase: the warm-up,
-                    # or on a machine's first run the capacity measurement that ran the same mix for longer
-                    # (a warm-up after it would add 7 s to a first run that must stay within 6 minutes).
-                    if side.label != measured_on:
-                        _warm_engine(srv.base_url, opts, shapes, console)
-                    clock.lap("warm_engine_s")
-                    speed[side.label] = {"before": speed_probe(srv.base_url, opts.model)}
-                    clock.lap("probes_s")
-                    served[side.label] = (engine_state(srv.base_url).get("length_predictor")
-                                          if side.scheduler == "jitflow" else None)
-                wait_idle(srv.base_url)
-                out_before = generated_output_tokens(srv.base_url)
-                run = anyio.run(functools.partial(run_load, srv.base_url, ph.plan, ph.cfg, side.label, console,
-                                                  phase=ph.name))
-                if not srv.alive():
-                    raise DemoError(f"the {side.label} server died during the {ph.name} phase; log tail:\n"
-                                    f"{srv.log_tail()}")
-                wait_idle(srv.base_url)  # abandoned calls are counted once the server has closed them
-                out_after = generated_output_tokens(srv.base_url)
-                if out_before is not None and out_after is not None:
-                    run.generated_output_tokens = out_after - out_before
-                print_summary(run, console)
-                runs.append(run)
-                clock.lap("phases_s")
-                if i == len(phases) - 1:
-                    speed[side.label]["after"] = speed_probe(srv.base_url, opts.model)
-                    clock.lap("probes_s")
+        cores = side_cores(len(sides)) if opts.together else None
+        if opts.together and len(sides) > 1 and cores is None:
+            console.print("[yellow]one CPU core: the two sides run in turn[/yellow]")
+        r = _Run(opts, sides, cores, length, patterns, _mix(opts, patterns), tmp, console)
+        timings = _together(r) if cores else _in_turn(r)
         for side in sides:
-            clocks[side.label].restart()
-            servers.pop(side.label).stop()
-            timings[side.label] = clocks[side.label].lap("stop_s")
-            console.print(f"{side.label}: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f} s"
-                                                        for k, v in timings[side.label].items()))
-        assert cap is not None
-        report = build_report(opts, cap, phases, sides, runs, length, served, REPORT_VERSION)
-        report["speed_probe_tbt_s"] = speed
-        report["slo_factor"] = slo_factor(opts, cap)
+            r.servers.pop(side.label).stop()
+        assert r.cap is not None
+        report = build_report(opts, r.cap, r.phases, sides, r.runs, length, r.served, REPORT_VERSION)
+        report["together"] = bool(cores)
+        report["cores"] = dict(zip((s.label for s in sides), cores, strict=True)) if cores else None
+        report["speed_probe_tbt_s"] = r.speed
+        report["slo_factor"] = slo_factor(opts, r.cap)
         report["slo_reference_step_s"] = REFERENCE_STEP_S
-        report["speed_warning"] = speed_warning(speed)
+        report["speed_warning"] = speed_warning(r.speed)
         report["wall_s"] = time.monotonic() - t_start
         report["timings_s"] = timings
+        for label, laps in timings.items():
+            console.print(f"{label}: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.0f} s" for k, v in laps.items()))
         print_comparison(report, console)
         _write(report, opts.out, console)
         keep_logs = report["failed_tasks"] > 0
@@ -413,7 +404,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         keep_logs = True
         raise
     finally:
-        for srv in servers.values():
+        for srv in (r.servers.values() if r is not None else ()):
             srv.stop()
         if length is not None:
             length.cancel()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any
@@ -74,11 +75,13 @@ async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) 
 
 
 async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: Any,
-                   model: str | None = None, phase: str = "") -> RunResult:
+                   model: str | None = None, phase: str = "", progress: Any = None) -> RunResult:
     """Drive ``plan`` against the server at ``url`` (open loop) and collect the outcomes.
 
     Jobs start at their offsets; after the last arrival the run waits at most ``cfg.grace``
     seconds for in-flight work, then cancels it (recorded as ``unfinished``, counted as missed).
+    ``progress``: a started ``rich.progress.Progress`` to add this run's line to (runs at once share
+    one: rich shows one live display at a time); None starts one for this run.
     """
     import anyio
     import httpx
@@ -120,7 +123,8 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
 
         jobs = [j for j in plan.jobs if j.kind in ("chat", "deadline") or run_research is not None]
         t0 = time.monotonic()
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as prog:
+        own = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console)
+        with own if progress is None else contextlib.nullcontext(progress) as prog:
             bar = prog.add_task(f"[{label}] load", total=cfg.duration)
 
             def describe(phase: str) -> str:

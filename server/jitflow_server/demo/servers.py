@@ -1,9 +1,9 @@
 """The demo's server processes: starting one per side, waiting for it, and for the length model.
 
-Servers start one at a time (a vLLM server start takes about 30 s on 2 cores). Starting the second side's
-server together with the first, in the background, was measured and not kept: with the length model
-cached, both were healthy after 55-57 s, against about 29 s each one after the other (the start-up
-uses both cores). Once started, both stay up: the phases run interleaved (demo/main.py).
+When the sides run in turn, their servers start one at a time (a vLLM server start takes about 30 s on 2
+cores): starting the second with the first, both on every core, was measured: both were healthy after
+55-57 s, against about 29 s each one after the other. When the sides run at once, each engine bound to
+its own core, both start together (healthy in about 29-35 s). Once started, both stay up (demo/main.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from jitflow_server.demo.plan import DemoError
 
 
 def start_server(label: str, serve_args: Sequence[str], *, model: str, batch_size: int, startup_timeout: float,
-                 tmp: Path, length: LengthModelJob | None, patterns: Sequence[Path]) -> ServerProcess:
+                 tmp: Path, length: LengthModelJob | None, patterns: Sequence[Path],
+                 omp_cores: str | None = None) -> ServerProcess:
     """Spawn ``jitflow serve`` for one side (returns at once): its own history database and telemetry
-    file under ``tmp``, the pattern corpora, and the length model when ``length`` is given."""
+    file under ``tmp``, the pattern corpora, the length model when ``length`` is given, and the engine's
+    compute threads bound to ``omp_cores`` (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"``) when given."""
     args = ["--model", model, "--port", str(free_port()), "--batch-size", str(batch_size), *serve_args,
             "--history-db", str(tmp / f"history-{label}.sqlite")]
     for p in patterns:
@@ -30,6 +32,8 @@ def start_server(label: str, serve_args: Sequence[str], *, model: str, batch_siz
     env = {"JITFLOW_TELEMETRY": str(tmp / f"telemetry-{label}.jsonl")}
     if length is not None:
         env["JITFLOW_LENGTH_MODEL"] = str(length.path)
+    if omp_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_cores
     srv = ServerProcess(jitflow_command("serve", *args), tmp / f"server-{label}.log", env=env,
                         startup_timeout=startup_timeout)
     srv.start()

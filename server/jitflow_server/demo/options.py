@@ -1,0 +1,137 @@
+"""The demo's options, its two sides (stock vLLM and jitflow) and their phases, and how the machine's
+cores are split between the sides when they run at once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jitflow_server.demo.calibrate import DEFAULT_CACHE
+from jitflow_server.demo.length_model import DEFAULT_DIR
+from jitflow_server.demo.plan import DemoConfig, Plan
+
+
+@dataclass
+class Side:
+    """One scheduler the demo runs the phases under.
+
+    Attributes:
+        label: name in the report (``gmax``, ``vllm``).
+        scheduler: ``jitflow`` (the plug-in with ``policy``) or ``vllm`` (stock vLLM, no plug-in).
+        policy: the plug-in's policy (``None`` for stock vLLM).
+    """
+
+    label: str
+    scheduler: str
+    policy: str | None = None
+    params: tuple[str, ...] = ()
+
+    def serve_args(self) -> list[str]:
+        """``jitflow serve`` arguments selecting this scheduler."""
+        if self.scheduler == "vllm":
+            return ["--scheduler", "vllm"]
+        out = ["--scheduler", "jitflow", "--policy", self.policy or "gmax"]
+        for p in self.params:
+            out += ["--param", p]
+        return out
+
+
+@dataclass
+class DemoOptions:
+    """Everything ``jitflow demo`` needs (times in seconds).
+
+    Attributes:
+        data_dir: trace folder (AlpacaEval + Azure) or None for the built-in prompts and Poisson arrivals.
+        model: ``jitflow serve --model`` value.
+        policy: jitflow's policy.
+        baseline: ``vllm`` (stock vLLM scheduling, no plug-in), another policy name run in the plug-in,
+            or ``none`` (jitflow only).
+        phase_duration: seconds of arrivals per phase.
+        normal_load, burst_load: phase loads as multiples of the measured capacity.
+        capacity_scale: skip the measurement and use this capacity (load-scale units).
+        recalibrate: measure even if the cache has this machine.
+        calibration_window: seconds of the capacity measurement (after its warm-up,
+            ``calibrate.CAPACITY_WARMUP_S``).
+        slos: SLOs, token ranges and chat grace of every phase (rates and counts are set per phase).
+        seed: seed of the plans (normal phase ``seed``, burst ``seed + 1``).
+        out: report JSON path (``.md`` and ``.png`` next to it).
+        patterns: pattern corpora (default ``patterns/*.jsonl``).
+        batch_size: B of both engines.
+        startup_timeout: seconds to wait for each server's ``/health``.
+        capacity_cache, model_cache: cache locations.
+        params: ``NAME=VALUE`` parameters of jitflow's policy (``jitflow serve --param``).
+        scale_slos: multiply ``slos``' times by :func:`slo_factor` of the measured capacity.
+        together: run the two sides at once, each engine's compute threads bound to its own half of the
+            machine's cores (:func:`side_cores`), so that both see the machine at the same moments; off,
+            or on a machine with one core, they run in turn on all of it.
+    """
+
+    data_dir: Path | None = None
+    model: str = "demo"
+    policy: str = "gmax"
+    baseline: str = "vllm"
+    phase_duration: float = 40.0
+    normal_load: float = 0.7
+    burst_load: float = 1.5
+    capacity_scale: float | None = None
+    recalibrate: bool = False
+    calibration_window: float = 16.0
+    slos: DemoConfig = field(default_factory=lambda: DemoConfig(grace=20.0))
+    seed: int = 0
+    out: Path = Path("demo-report.json")
+    patterns: list[Path] | None = None
+    batch_size: int = 32
+    startup_timeout: float = 300.0
+    capacity_cache: Path = DEFAULT_CACHE
+    model_cache: Path = DEFAULT_DIR
+    params: list[str] = field(default_factory=list)
+    scale_slos: bool = True
+    together: bool = True
+
+    def sides(self) -> list[Side]:
+        """The baseline (if any) first, then jitflow."""
+        main = Side(self.policy, "jitflow", self.policy, tuple(self.params))
+        if self.baseline == "none":
+            return [main]
+        base = Side("vllm", "vllm") if self.baseline == "vllm" else Side(self.baseline, "jitflow", self.baseline)
+        return [base, main]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad option."""
+        for name in ("phase_duration", "normal_load", "burst_load", "calibration_window"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        if self.capacity_scale is not None and not self.capacity_scale > 0:
+            raise ValueError(f"capacity_scale must be > 0, got {self.capacity_scale!r}")
+        if self.baseline == self.policy:
+            raise ValueError("baseline and policy are the same")
+        self.slos.validate()
+
+
+@dataclass
+class Phase:
+    """One phase of the demo: its load (× capacity), the base-mix scale, config and plan."""
+
+    name: str
+    load: float
+    scale: float
+    cfg: DemoConfig
+    plan: Plan
+
+
+def side_cores(n_sides: int) -> list[str] | None:
+    """The CPU cores each of ``n_sides`` engines runs its compute threads on when the sides run at once
+    (``VLLM_CPU_OMP_THREADS_BIND`` values, e.g. ``["0", "1"]`` on two cores, ``["0,1", "2,3"]`` on
+    four), or None when there is one side or fewer cores than sides (the sides then run in turn).
+
+    vLLM on CPU binds its compute threads to one core per worker and leaves the other cores to the
+    API server and the engine loop (``auto`` binding); on a 2-core machine a demo-model engine bound to
+    either core alone ran the demo's mix at 305-321 output tok/s, both at once at 321-324 tok/s each,
+    against 309 tok/s with the default binding: splitting the cores costs neither side speed."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if n_sides < 2 or len(cpus) < n_sides:
+        return None
+    per = len(cpus) // n_sides
+    return [",".join(str(c) for c in cpus[k * per:(k + 1) * per]) for k in range(n_sides)]
