@@ -109,8 +109,8 @@ def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | Non
         vllm = "unknown"
     speed = ",".join(f for f in SPEED_FLAGS if f in flags)
     raw = f"v{CALIBRATION_VERSION}|{cpu}|{os.cpu_count()}|{speed}|{model}|{dtype}|B{batch_size}|vllm {vllm}"
-    if cores is not None:
-        raw += f"|{len(cores.split(','))} core(s) bound"
+    if cores is not None:  # measured with the other side's engine busy at once, each on its own cores
+        raw += f"|{len(cores.split(','))} core(s) per engine, engines at once"
     return raw + "|" + hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 

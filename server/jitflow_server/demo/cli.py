@@ -46,10 +46,11 @@ def register(app: typer.Typer) -> None:
         scale_slos: bool = typer.Option(True, help="Stretch the time SLOs above by this machine's measured step "
                                         "time against the 125 ms they are set for (0.25-4×), as the load is sized "
                                         "by its capacity."),
-        together: bool = typer.Option(True, "--together/--in-turn", help="Run both schedulers at once, each "
+        together: bool = typer.Option(False, "--together/--in-turn", help="Run both schedulers at once, each "
                                       "engine on its own half of the cores, so both see the machine at the same "
-                                      "moments (the default; a 1-core machine runs them in turn), or one after "
-                                      "the other on every core."),
+                                      "moments but no core is left for the servers' own processes (costs the "
+                                      "scheduler with more work speed; docs/quickstart.md), or one after the "
+                                      "other on every core (the default)."),
     ) -> None:
         """The main job: measure this machine, then serve a mixed chat / deadline / agent-task load at 0.7× and
         1.5× its capacity under stock vLLM and under jitflow, on the same arrivals, and report both."""

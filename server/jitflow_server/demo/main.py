@@ -3,15 +3,15 @@
 1. The length model is trained once (or reused from its cache) while the first server starts; the
    capacity window opens only once training has ended.
 2. Each side (baseline, then jitflow) gets its own server, fresh pattern history (``patterns/*.jsonl``)
-   and the identical plans (same arrivals, prompts, tasks). By default the two run **at once**, each
-   engine's compute threads bound to its own half of the machine's cores (:func:`side_cores`): the
-   servers start together and every phase runs on both at the same moments, so a change in the
-   machine's speed (another process, the host) hits both alike. With ``--in-turn`` (or one core) they
-   run one after the other on the whole machine, the phases interleaved and the sides' order reversed
-   from one phase to the next (normal: baseline, jitflow; burst: jitflow, baseline).
-3. The engine's capacity on the demo's mix is measured on the baseline's engine (or read from the
-   per-machine cache) and sizes a *normal* phase (0.7× capacity) and a *burst* phase (1.5×), the
-   capacity of one side's engine. The SLOs scale with the measured step time too
+   and the identical plans (same arrivals, prompts, tasks). By default the two run **in turn**, each on
+   the whole machine: the servers start one after the other and stay up, the phases run interleaved and
+   the sides' order is reversed from one phase to the next (normal: baseline, jitflow; burst: jitflow,
+   baseline). With ``--together`` they run at once, each engine's compute threads bound to its own half
+   of the cores (:func:`side_cores`), so a change in the machine's speed hits both alike, at the cost
+   described in :class:`DemoOptions`.
+3. The engine's capacity on the demo's mix is measured on the baseline's engine (at once: while the
+   other engine runs the same load) or read from the per-machine cache, and sizes a *normal* phase (0.7×
+   capacity) and a *burst* phase (1.5×). The SLOs scale with the measured step time too
    (:func:`slo_factor`): the load and the SLOs are then the same for the engine whatever the CPU.
    Before each phase the engines drain.
 4. The report compares the sides per phase (``report.py``).
@@ -56,6 +56,7 @@ from jitflow_server.demo.plan import (
     scaled_slos,
 )
 from jitflow_server.demo.report import build_report, print_comparison, print_summary, write_markdown
+from jitflow_server.demo.results import RunResult
 from jitflow_server.demo.runner import _import_examples, run_load
 from jitflow_server.demo.servers import (
     engine_state,
@@ -110,7 +111,7 @@ def _warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: 
 
 def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
               ready: Callable[[], bool] | None = None, settle: Callable[[], None] | None = None,
-              cores: str | None = None) -> Capacity:
+              cores: str | None = None, also: list[str] | None = None) -> Capacity:
     """The engine's capacity on the demo mix: given (``--capacity``), cached, or measured on ``url``.
 
     A cached measurement is used only while the machine runs at its speed: a lone request's time between
@@ -118,7 +119,9 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
     model's training) and compared with the probe stored with it (:func:`is_stale`); a changed speed
     measures again. ``ready`` holds the measurement's window shut (see :func:`measure_capacity`).
     ``cores``: the cores the engine's compute threads are bound to (None: vLLM's own binding), part of
-    the cache key.
+    the cache key. ``also``: more servers loaded the same way at the same time, so that ``url``'s engine
+    is measured while theirs are as busy as in the phases; their own readings are not used (under a
+    jitflow policy a reading measures the policy's admission and batch sizing as much as the engine).
     Raises :class:`DemoError` when the measurement fails."""
     key = machine_key(opts.model, dtype, opts.batch_size, cores)
     if opts.capacity_scale is not None:
@@ -137,14 +140,28 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
         console.print(f"[yellow]this machine's speed changed since its capacity was measured[/yellow] "
                       f"({cap.measured_at}): a lone request takes {probe * 1000:.0f} ms between tokens now, "
                       f"{cap.probe_tbt_s * 1000:.0f} ms then; measuring again")
+    urls = [url, *(also or [])]
+    each = f" on each of {len(urls)} engines" if len(urls) > 1 else ""
     with console.status(f"measuring this machine's capacity: {2 * opts.batch_size} requests of the demo mix in "
-                        f"flight for {opts.calibration_window + CAPACITY_WARMUP_S:.0f} s ..."):
-        try:
-            cap = measure_capacity(url, opts.model, shapes, key=key, batch_size=opts.batch_size,
-                                   window=opts.calibration_window, seed=opts.seed, ready=ready)
-        except RuntimeError as exc:
-            raise DemoError(f"capacity measurement failed: {exc}") from None
-    wait_idle(url, 30)
+                        f"flight{each} for {opts.calibration_window + CAPACITY_WARMUP_S:.0f} s ..."):
+        def measure(u: str) -> Capacity:
+            return measure_capacity(u, opts.model, shapes, key=key, batch_size=opts.batch_size,
+                                    window=opts.calibration_window, seed=opts.seed, ready=ready)
+
+        def load(u: str) -> None:  # the other engines' readings are not used, nor their failures
+            with contextlib.suppress(RuntimeError):
+                measure(u)
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(urls) - 1)) as pool:
+            others = [pool.submit(load, u) for u in urls[1:]]
+            try:
+                cap = measure(url)
+            except RuntimeError as exc:
+                raise DemoError(f"capacity measurement failed: {exc}") from None
+            finally:
+                concurrent.futures.wait(others)
+    for u in urls:
+        wait_idle(u, 30)
     cap.probe_tbt_s = speed_probe(url, opts.model)
     save_cached(cap, opts.capacity_cache)
     console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
@@ -200,12 +217,12 @@ class _Run:
         self.opts, self.sides, self.cores, self.length = opts, sides, cores, length
         self.patterns, self.shapes, self.tmp, self.console = patterns, shapes, tmp, console
         self.servers: dict[str, ServerProcess] = {}  # label -> its server, while it runs
-        self.runs: list[Any] = []
+        self.runs: list[RunResult] = []
         self.served: dict[str, Any] = {}
         self.speed: dict[str, dict[str, float | None]] = {}
         self.cap: Capacity | None = None
         self.phases: list[Phase] = []
-        self.measured_on: str | None = None  # the side whose server ran the capacity measurement
+        self.measured_on: set[str] = set()  # the sides whose engines ran the capacity measurement
 
     def launch(self, k: int) -> ServerProcess:
         side = self.sides[k]
@@ -218,35 +235,43 @@ class _Run:
             omp_cores=self.cores[k] if self.cores else None)
         return srv
 
-    def ready(self, side: Side, startup: float, clock: _Stopwatch) -> None:
-        """After ``side``'s server answers: warm-up requests, and the capacity on the first side (timed on
-        ``clock`` as ``warmup_s`` and ``capacity_s``)."""
-        srv, opts = self.servers[side.label], self.opts
+    def greet(self, side: Side, startup: float, clock: _Stopwatch) -> None:
+        """After ``side``'s server answers: say so, and send the warm-up requests (``warmup_s``)."""
+        srv = self.servers[side.label]
         where = f" (engine on core(s) {self.cores[self.sides.index(side)]})" if self.cores else ""
         self.console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s ("
                            f"{'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})"
                            + where)
-        state = engine_state(srv.base_url)
         _warmup(srv.base_url)
         clock.lap("warmup_s")
+
+    def calibrate(self, sides: list[Side], clock: _Stopwatch) -> None:
+        """The capacity, once, measured on the first of ``sides``' engines while the others run the same
+        load (the first also probes a cached one), then the phases sized from it; waits for the length
+        model (``capacity_s``)."""
         if self.cap is None:
-            self.cap = _capacity(opts, srv.base_url, state.get("dtype"), self.shapes, self.console,
-                                 ready=self.length.done, settle=functools.partial(wait_length_model, self.length,
-                                                                                   self.console),
-                                 cores=self.cores[self.sides.index(side)] if self.cores else None)
-            self.measured_on = None if self.cap.cached else side.label
-            self.phases = _phases(opts, self.cap)
-            _announce(opts, self.cap, self.phases, self.console)
+            srv = self.servers[sides[0].label]
+            k = self.sides.index(sides[0])
+            self.cap = _capacity(self.opts, srv.base_url, engine_state(srv.base_url).get("dtype"), self.shapes,
+                                 self.console, ready=self.length.done,
+                                 settle=functools.partial(wait_length_model, self.length, self.console),
+                                 cores=self.cores[k] if self.cores else None,
+                                 also=[self.servers[s.label].base_url for s in sides[1:]])
+            self.measured_on = set() if self.cap.cached else {s.label for s in sides}
+            self.phases = _phases(self.opts, self.cap)
+            _announce(self.opts, self.cap, self.phases, self.console)
         wait_length_model(self.length, self.console)  # nothing else may share the CPU from here on
         clock.lap("capacity_s")
 
     def before_first_phase(self, side: Side, quiet: bool = False) -> None:
         """The engine warm-up, unless the capacity measurement just warmed it (``quiet``: no status line)."""
         srv = self.servers[side.label]
-        if side.label != self.measured_on:
+        if side.label not in self.measured_on:
             _warm_engine(srv.base_url, self.opts, self.shapes, None if quiet else self.console)
 
     def probe(self, side: Side, when: str) -> None:
+        """Time a lone request on ``side``'s idle engine (``when``: ``before`` its first phase, which also
+        reads which length predictor its server loaded, or ``after`` its last)."""
         srv = self.servers[side.label]
         self.speed.setdefault(side.label, {})[when] = speed_probe(srv.base_url, self.opts.model)
         if when == "before":
@@ -263,7 +288,7 @@ class _Run:
         for u in urls:
             wait_idle(u)
         before = [generated_output_tokens(u) for u in urls]
-        results: dict[int, Any] = {}
+        results: dict[int, RunResult] = {}
 
         async def both() -> None:
             with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -301,7 +326,8 @@ def _in_turn(r: _Run) -> dict[str, dict[str, float]]:
         srv = r.launch(k)
         wait_healthy(srv, side.label, r.opts.startup_timeout, r.console)
         clock = clocks[side.label] = _Stopwatch(time.monotonic() - t_srv)
-        r.ready(side, clock.laps["server_start_s"], clock)
+        r.greet(side, clock.laps["server_start_s"], clock)
+        r.calibrate([side], clock)
     for i, ph in enumerate(r.phases):
         for side in (r.sides if i % 2 == 0 else r.sides[::-1]):
             clock = clocks[side.label]
@@ -321,8 +347,10 @@ def _in_turn(r: _Run) -> dict[str, dict[str, float]]:
 
 def _together(r: _Run) -> dict[str, dict[str, float]]:
     """Both sides at once, each engine on its own cores (:func:`side_cores`): the servers start together,
-    the capacity is measured on one side's engine (the other idle), and each phase runs on both at the
-    same moments. Returns the seconds per step, under the key ``"+".join(labels)``."""
+    the capacity is measured on the first side's engine while the other runs the same load (so cores
+    that slow each other down, such as two hyperthreads of one physical core, size the phases by what an
+    engine serves with the other busy), and each phase runs on both at the same moments. Returns the seconds per step, under the key
+    ``"+".join(labels)``."""
     t0 = time.monotonic()
     for k in range(len(r.sides)):
         r.launch(k)
@@ -330,7 +358,8 @@ def _together(r: _Run) -> dict[str, dict[str, float]]:
         wait_healthy(r.servers[side.label], side.label, r.opts.startup_timeout, r.console)
     clock = _Stopwatch(time.monotonic() - t0)
     for side in r.sides:
-        r.ready(side, clock.laps["server_start_s"], clock)
+        r.greet(side, clock.laps["server_start_s"], clock)
+    r.calibrate(r.sides, clock)  # both engines busy at once, as in the phases
     with (r.console.status(f"warming the engines ({WARM_ENGINE_S:.0f} s of the demo mix, at once) ..."),
           concurrent.futures.ThreadPoolExecutor(len(r.sides)) as pool):  # each engine on its own cores
         list(pool.map(functools.partial(r.before_first_phase, quiet=True), r.sides))

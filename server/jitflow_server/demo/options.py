@@ -63,8 +63,13 @@ class DemoOptions:
         params: ``NAME=VALUE`` parameters of jitflow's policy (``jitflow serve --param``).
         scale_slos: multiply ``slos``' times by :func:`slo_factor` of the measured capacity.
         together: run the two sides at once, each engine's compute threads bound to its own half of the
-            machine's cores (:func:`side_cores`), so that both see the machine at the same moments; off,
-            or on a machine with one core, they run in turn on all of it.
+            machine's cores (:func:`side_cores`), so that both see the machine at the same moments (a
+            change in its speed hits both alike), but with no core left free for each server's API
+            process and engine loop, which costs the side with more scheduling work (GMAX) speed: its
+            chat requests ran 9 % slower per token than stock vLLM's at the same moments (median of ten
+            runs on 2 cores, 0.85-1.50×), against 3 % (0.90-1.23×) in turn. Off (the default), or on a
+            machine with one core, the sides run in turn, each on the whole machine as vLLM's own CPU
+            binding sets it up (compute on one core, the other left to the API server and engine loop).
     """
 
     data_dir: Path | None = None
@@ -87,7 +92,7 @@ class DemoOptions:
     model_cache: Path = DEFAULT_DIR
     params: list[str] = field(default_factory=list)
     scale_slos: bool = True
-    together: bool = True
+    together: bool = False
 
     def sides(self) -> list[Side]:
         """The baseline (if any) first, then jitflow."""
