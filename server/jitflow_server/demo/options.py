@@ -132,9 +132,11 @@ def side_cores(n_sides: int) -> list[str] | None:
     four), or None when there is one side or fewer cores than sides (the sides then run in turn).
 
     vLLM on CPU binds its compute threads to one core per worker and leaves the other cores to the
-    API server and the engine loop (``auto`` binding); on a 2-core machine a demo-model engine bound to
-    either core alone ran the demo's mix at 305-321 output tok/s, both at once at 321-324 tok/s each,
-    against 309 tok/s with the default binding: splitting the cores costs neither side speed."""
+    API server and the engine loop (``auto`` binding). On a 2-core machine two stock demo-model engines
+    bound this way ran the demo's mix at 292-321 output tok/s each alone and 303-324 each with both
+    busy (309 with the default binding), but the servers' own processes then share the two cores with
+    both compute threads, which cost GMAX's side speed in the demo's phases (:class:`DemoOptions`,
+    ``together``)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if n_sides < 2 or len(cpus) < n_sides:
         return None

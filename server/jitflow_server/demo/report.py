@@ -105,7 +105,7 @@ def token_ceiling(main: RunResult, base: RunResult) -> float | None:
 
 def met_output_share(run: RunResult) -> float | None:
     """The share of the output tokens the engine generated during ``run`` that went to requests and tasks
-    meeting their SLO (``summary["all"]["met_output_tokens"] / generated_output_tokens``); the rest was
+    meeting their SLO (``summary["all"]["met_output_tokens"] / generated_output_tokens``, capped at 1); the rest was
     spent on calls that missed, were abandoned by their clients or refused after starting. None when the
     server's counter could not be read or nothing was generated. An overloaded scheduler without
     admission control keeps the engine as busy as one with it, on work that no longer counts: this is

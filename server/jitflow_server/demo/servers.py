@@ -70,16 +70,17 @@ def engine_state(url: str) -> dict[str, Any]:
 def generated_output_tokens(url: str) -> int | None:
     """Output tokens the server at ``url`` has generated so far: the sum of its ``jitflow_output_tokens``
     counter over every kind and application, read from ``/metrics`` (every finished call counts, the
-    aborted and the rejected included). None when the endpoint cannot be read."""
+    aborted and the rejected included). None when the endpoint cannot be read or parsed."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
+        r = httpx.get(url + "/metrics", timeout=10)
+        r.raise_for_status()
+        return int(sum(s.value for fam in text_string_to_metric_families(r.text) if fam.name == "jitflow_output_tokens"
+                       for s in fam.samples if s.name == "jitflow_output_tokens_total"))
+    except (httpx.HTTPError, ValueError):
         return None
-    return int(sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "jitflow_output_tokens"
-                   for s in fam.samples if s.name == "jitflow_output_tokens_total"))
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> None:
