@@ -163,6 +163,23 @@ def test_steady_state_throughput_counts_only_tokens_before_the_last_arrival():
                      1.0)["throughput_window"] is None  # records without the field (real engine): not reported
 
 
+def test_the_in_slo_output_share_counts_the_tokens_of_jobs_that_met_their_slo():
+    from jitflow_server.bench.metrics import summarize
+
+    recs = _run(_workload(n=80, rps=20.0), policy="fcfs")["jobs"]  # overload: some jobs miss after starting
+    wasted = [r for r in recs if not r["slo_met"] and r["output_tokens"] > 0]
+    assert wasted and any(r["slo_met"] for r in recs)
+    m = summarize(recs, 1.0, 1.0)
+    total = sum(r["output_tokens"] for r in recs)
+    assert m["met_output_share"] == pytest.approx(sum(r["output_tokens"] for r in recs if r["slo_met"]) / total)
+    assert 0 < m["met_output_share"] < 1
+    per_kind = m["per_kind"]
+    kind_out = {k: sum(r["output_tokens"] for r in recs if r["kind"] == k) for k in per_kind}
+    assert sum(per_kind[k]["met_output_share"] * kind_out[k] for k in per_kind if kind_out[k]) == pytest.approx(
+        m["met_output_share"] * total)
+    assert summarize([{**r, "output_tokens": 0} for r in recs], 1.0, 1.0)["met_output_share"] is None
+
+
 def test_prefix_cache_makes_an_early_recompute_nearly_free():
     """vLLM keeps a preempted request's blocks in its prefix cache until the FIFO free queue reuses
     them; a request re-admitted before that only prefills its last partial block."""

@@ -30,7 +30,10 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
     the engine's useful work, which a policy that favours prompt-heavy requests keeps while its
     output-token rate drops; only when records have ``served_input_tokens``). Per kind: count, SLO
     attainment (rejected and unfinished jobs count as missed), goodput tokens, rejections, P50/P95 of
-    TTFT, TBT (per-job mean gap, latency kind) and E2EL over the jobs that produced them. Frame
+    TTFT, TBT (per-job mean gap, latency kind) and E2EL over the jobs that produced them.
+    ``met_output_share`` (overall and per kind): the share of the generated output tokens that went to
+    jobs meeting their SLO (None when nothing was generated); the rest was spent on jobs that missed,
+    were abandoned or failed a later call, capacity a scheduler could have given to others. Frame
     scheduling time P50/P99 in ms when ``frame_ms`` is given.
     """
     span = max(span_s, 1e-9)
@@ -38,6 +41,7 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
     good = float(sum(j["goodput"] for j in jobs))
     met = sum(1 for j in jobs if j["slo_met"])
     out = float(sum(j["output_tokens"] for j in jobs))
+    met_out = float(sum(j["output_tokens"] for j in jobs if j["slo_met"]))
     res: dict = {
         "jobs": n,
         "token_goodput": good / span,
@@ -46,6 +50,7 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
         "slo_attainment": met / n if n else 0.0,
         "throughput": out / max(makespan_s, 1e-9),
         "output_tokens": out,
+        "met_output_share": met_out / out if out > 0 else None,
         "throughput_window": (sum(j["output_tokens_window"] for j in jobs) / span
                               if jobs and all("output_tokens_window" in j for j in jobs) else None),
         "token_throughput": ((sum(j["served_input_tokens"] for j in jobs) + out) / max(makespan_s, 1e-9)
@@ -67,8 +72,10 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
         ttft = [j["ttft"] for j in js if j.get("ttft") is not None]
         tbt = [j["tbt_mean"] for j in js if j.get("tbt_mean") is not None]
         e2el = [j["e2el"] for j in js if j.get("e2el") is not None]
+        k_out = sum(j["output_tokens"] for j in js)
         res["per_kind"][k] = {
             "n": len(js),
+            "met_output_share": (sum(j["output_tokens"] for j in js if j["slo_met"]) / k_out) if k_out else None,
             "slo_attainment": sum(1 for j in js if j["slo_met"]) / len(js),
             "goodput_tokens": float(sum(j["goodput"] for j in js)),
             "rejected": sum(1 for j in js if j.get("rejected")),

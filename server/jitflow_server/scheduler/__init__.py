@@ -58,7 +58,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: docs/scheduling.md), ``gmax-paper``
     (the paper's ``goodput/t_gen`` ranking, window, stall pricing and token-only objective, JITServe §4.2:
     ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0,
-    compound_value="task", batch_sizing="full"``),
+    compound_value="task", future_margin=1, batch_sizing="full"``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``, and the
     peer baselines ``vllm-priority`` (vLLM's priority scheduling with SLO-derived priorities),
     ``tempo`` (Tempo's service-density scheduling), ``qlm`` (QLM's request groups and virtual queue) and
@@ -82,6 +82,7 @@ def make_policy(name: str, **params: Any) -> Policy:
             params.setdefault("overrun", 0.0)
             params.setdefault("request_weight", 0.0)  # the paper's token-only objective
             params.setdefault("compound_value", "task")  # a stage unlocks its whole task (§4.2)
+            params.setdefault("future_margin", 1.0)  # the analyzer's estimate of the later stages as is
             params.setdefault("batch_sizing", "full")  # Alg. 1 fills B
         if key == "oracle":
             params.setdefault("use_true_len", True)

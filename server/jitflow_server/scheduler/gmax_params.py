@@ -142,23 +142,24 @@ class GMAXParams:
       SJF or LAS. The paper notes that GMAX runs over any goodput definition, request-level included
       (§3, §6.2); this weight blends the two, so neither count is given up for the other. 0 = the
       paper's token objective. Chosen on tuning seeds (docs/scheduling.md "Counting requests as well as tokens").
-    - ``future_margin`` [1.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
+    - ``future_margin`` [3.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
       the task's later stages need). The current stage is sized with the length *upper bound* and the
       engine's *measured* decode speed, the later stages with the matched graph's typical lengths
       and the analyzer's static time model, so the later stages are underestimated against the
       current one (measured in the ``a100-llama8b`` simulation: 40 ms steps under load against a
-      15 ms model); just-in-time pacing then starts stages too late and tasks turn infeasible after
-      work was spent on them. The margin restores the same conservatism for the rest of the task
-      (in its laxity, feasibility and priority); 2 is about the median bound/true ratio of a q = 0.9
-      length bound (the simulator's noisy bound: 2.15; the QRF on unseen models: 1.8-2.0, see
-      docs/analyzer.md). 1 = the analyzer's estimate as is (the default: with ``compound_value="stage"``
-      a margin of 2 gained nothing on the tuning workloads).
-    - ``compound_value`` ["stage"]: the goodput of a compound stage group. "task" (JITServe §4.2): the
-      task's estimated total tokens (``task_tokens_est``), since the stage unlocks the whole task;
-      "stage": the tokens of the stage's own calls. With "task" every stage of a task is priced at the
-      whole task over its remaining time, which overstates a task whenever its later stages are
-      underestimated (see ``future_margin``) and starts tasks that are later abandoned; measured in
-      docs/scheduling.md "Counting requests as well as tokens".
+      15 ms model, a factor of 2.7); just-in-time pacing then starts stages too late and tasks turn
+      infeasible after work was spent on them. The margin restores the same conservatism for the rest
+      of the task (in its laxity, feasibility and priority). 1 = the analyzer's estimate as is.
+      Chosen with ``compound_value`` on tuning seeds (docs/scheduling.md "Pricing a stage at its
+      task's value").
+    - ``compound_value`` ["task"]: the goodput of a compound stage group. "task" (JITServe §4.2): the
+      task's estimated total tokens (``task_tokens_est``), since the stage unlocks the whole task, over
+      the task's remaining time (the stage's and, scaled by ``future_margin``, the later stages');
+      "stage": the tokens of the stage's own calls over the same time, which underprices every stage
+      that has later ones (the value of one stage against the time of all). "task" overstates a task
+      whose later stages are underestimated and starts tasks that are later abandoned, which is why it
+      needs a ``future_margin`` near the engine's slowdown under load (with a margin of 1 it lost up to
+      27 % of the requests on the tuning workloads); "stage" with a margin of 1 was the default before.
     - ``batch_sizing`` ["goodput"]: how many requests a frame runs. "full": B, as JITServe does (its
       GPUs' step time barely grows with the batch). "goodput" (ours): when more than B requests want to
       run, the size among B and fractions of it whose top requests earn the most goodput per second at
@@ -210,8 +211,8 @@ class GMAXParams:
     free_pause: bool = False
     stall_value: str = "goodput"
     request_weight: float = 1.5
-    future_margin: float = 1.0
-    compound_value: str = "stage"
+    future_margin: float = 3.0
+    compound_value: str = "task"
     batch_sizing: str = "goodput"
     batch_margin: float = 0.15
     extra: dict = field(default_factory=dict)
