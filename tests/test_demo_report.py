@@ -242,3 +242,20 @@ def test_speed_warning_when_the_machine_slowed_down():
     msg = speed_warning({"vllm": {"before": 0.010, "after": 0.010}, "gmax": {"before": 0.030, "after": 0.011}})
     assert msg is not None and "10-30 ms" in msg
     assert speed_warning({"vllm": {"before": None, "after": None}}) is None
+
+
+def test_capacity_warning_when_the_cached_capacity_was_measured_at_another_speed():
+    from jitflow_server.demo.calibrate import Capacity, capacity_warning
+
+    def cap(cached: bool, probe: float | None) -> Capacity:
+        return Capacity("k", 194.0, 0.164, 148.0, 1.31, 30, 16.0, "2026-11-27T19:10:25Z", cached, probe)
+
+    faster = {"vllm": {"before": 0.0188, "after": 0.0179}, "gmax": {"before": 0.0197, "after": 0.0169}}
+    msg = capacity_warning(cap(True, 0.0303), faster)
+    assert msg and "slower machine" in msg and "lighter" in msg and "--recalibrate" in msg and "30 ms" in msg
+    slower = {"vllm": {"before": 0.045, "after": 0.050}}
+    assert "faster machine" in capacity_warning(cap(True, 0.0303), slower)
+    assert capacity_warning(cap(True, 0.0200), faster) is None  # within the probe's noise
+    assert capacity_warning(cap(False, 0.0303), faster) is None  # measured in this run
+    assert capacity_warning(cap(True, None), faster) is None  # no probe with the measurement (--capacity)
+    assert capacity_warning(cap(True, 0.0303), {"vllm": {"before": None, "after": None}}) is None

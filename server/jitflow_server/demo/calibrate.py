@@ -91,6 +91,34 @@ def is_stale(cap: Capacity, probe_tbt_s: float | None, spread: float = STALE_SPR
     return max(old, probe_tbt_s) > spread * min(old, probe_tbt_s)
 
 
+def fmt_ms(seconds: float | None) -> str:
+    """``seconds`` as whole milliseconds for a message (``"?"`` when unknown)."""
+    return "?" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def capacity_warning(cap: Capacity, speed: dict[str, dict[str, float | None]],
+                     spread: float = STALE_SPREAD) -> str | None:
+    """A warning when ``cap`` came from the cache with a speed probe and the run's own lone-request probes
+    (``speed``: per side, ``before``/``after`` its phases, s between tokens) differ from that probe by more
+    than ``spread`` times (their median against it, :func:`is_stale`), else None. The phases were then sized
+    for a machine of another speed: a burst at 1.5× a capacity measured while the host ran slow can be below
+    what the machine serves now, and both schedulers then meet every SLO. The staleness check before the
+    phases (:func:`is_stale`) probes a server just started, and can miss it: on the AMD host it kept a
+    capacity probed at 30 ms between tokens (so it read at least 23 ms) for a run whose probes around the
+    phases read 17-20 ms."""
+    vals = sorted(v for probe in speed.values() for v in probe.values() if v)
+    if not cap.cached or not cap.probe_tbt_s or not vals:
+        return None
+    now = vals[len(vals) // 2]
+    if not is_stale(cap, now, spread):
+        return None
+    faster = now < cap.probe_tbt_s
+    return (f"the capacity in use was measured at another speed ({cap.measured_at}: {cap.probe_tbt_s * 1000:.0f} ms "
+            f"between the tokens of a lone request, {now * 1000:.0f} ms in this run), so the phases were sized for a "
+            f"{'slower' if faster else 'faster'} machine and the burst was {'lighter' if faster else 'heavier'} than "
+            "1.5x this machine's capacity; run the demo again with --recalibrate")
+
+
 def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | None = None) -> str:
     """Cache key of a capacity measurement: CPU model, cores, speed flags, model, dtype, B, vLLM version,
     and ``cores``, the cores the engine's compute threads were bound to (None: vLLM's own binding)."""

@@ -36,6 +36,8 @@ from jitflow_server.demo.calibrate import (
     CAPACITY_WARMUP_S,
     CallShape,
     Capacity,
+    capacity_warning,
+    fmt_ms,
     is_stale,
     load_cached,
     machine_key,
@@ -134,8 +136,8 @@ def _capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallS
             settle()
         probe = speed_probe(url, opts.model)
         if not is_stale(cap, probe):
-            console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
-                          f"(cached {cap.measured_at}; --recalibrate to measure again)")
+            console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix (cached "
+                          f"{cap.measured_at}; speed probe {fmt_ms(probe)} now, {fmt_ms(cap.probe_tbt_s)} then; --recalibrate to measure again)")
             return cap
         console.print(f"[yellow]this machine's speed changed since its capacity was measured[/yellow] "
                       f"({cap.measured_at}): a lone request takes {probe * 1000:.0f} ms between tokens now, "
@@ -420,7 +422,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         report["speed_probe_tbt_s"] = r.speed
         report["slo_factor"] = slo_factor(opts, r.cap)
         report["slo_reference_step_s"] = REFERENCE_STEP_S
-        report["speed_warning"] = speed_warning(r.speed)
+        report["speed_warning"], report["capacity_warning"] = speed_warning(r.speed), capacity_warning(r.cap, r.speed)
         report["wall_s"] = time.monotonic() - t_start
         report["timings_s"] = timings
         for label, laps in timings.items():

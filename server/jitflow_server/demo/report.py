@@ -250,8 +250,9 @@ def print_comparison(report: dict[str, Any], console: Any) -> None:
                       f"{'trained in this run' if lp['trained_this_run'] else 'cached'})")
     if report["failed_tasks"]:
         console.print(f"[red]{report['failed_tasks']} agent task(s) failed with an error[/red]")
-    if report.get("speed_warning"):
-        console.print(f"[bold yellow]warning:[/bold yellow] {report['speed_warning']}")
+    for key in ("speed_warning", "capacity_warning"):
+        if report.get(key):
+            console.print(f"[bold yellow]warning:[/bold yellow] {report[key]}")
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> None:
@@ -281,6 +282,5 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     lines.append(f"Length predictor: {lp['used']} ({lp['source']}, {lp['path']})" +
                  (f". **Warning**: {lp['warning']}" if lp["warning"] else ""))
     lines.append(f"Failed tasks: {report['failed_tasks']}")
-    if report.get("speed_warning"):
-        lines.append(f"**Warning**: {report['speed_warning']}")
+    lines += [f"**Warning**: {report[key]}" for key in ("speed_warning", "capacity_warning") if report.get(key)]
     path.write_text("\n".join(lines) + "\n")
