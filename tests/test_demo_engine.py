@@ -61,7 +61,7 @@ def test_a_stale_cached_capacity_is_measured_again(server_url, tmp_path):
     again on the server, and the new measurement with its probe replaces the entry; an entry without a
     probe is used as cached."""
     from jitflow_server.demo.calibrate import Capacity, load_cached, machine_key, save_cached
-    from jitflow_server.demo.main import _capacity
+    from jitflow_server.demo.capacity import resolve_capacity
 
     patterns = sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
     shapes = mix_shapes([("Say hello.", 16)], [("Explain a bit.", 24)], task_calls(patterns))
@@ -71,10 +71,10 @@ def test_a_stale_cached_capacity_is_measured_again(server_url, tmp_path):
     settled = []
     console = Console(file=open(tmp_path / "console.txt", "w"), width=200)  # noqa: SIM115
     save_cached(Capacity(key, 1.0, 9.0, 1.0, 1.0, 1, 2.0, "long ago"), cache)  # no probe: trusted
-    cap = _capacity(opts, server_url, None, shapes, console, settle=lambda: settled.append(1))
+    cap = resolve_capacity(opts, server_url, None, shapes, console, settle=lambda: settled.append(1))
     assert cap.cached and cap.out_tok_s == 1.0 and settled == [1]
     save_cached(Capacity(key, 1.0, 9.0, 1.0, 1.0, 1, 2.0, "long ago", probe_tbt_s=100.0), cache)  # far slower
-    cap = _capacity(opts, server_url, None, shapes, console, settle=lambda: settled.append(2))
+    cap = resolve_capacity(opts, server_url, None, shapes, console, settle=lambda: settled.append(2))
     console.file.close()
     assert settled == [1, 2] and not cap.cached and cap.requests > 0 and cap.out_tok_s != 1.0
     assert cap.probe_tbt_s is not None and 0 < cap.probe_tbt_s < 100.0
