@@ -106,15 +106,15 @@ def capacity_warning(cap: Capacity, speed: dict[str, dict[str, float | None]],
     phases (:func:`is_stale`) probes a server just started, and can miss it: on the AMD host it kept a
     capacity probed at 30 ms between tokens (so it read at least 23 ms) for a run whose probes around the
     phases read 17-20 ms."""
-    vals = sorted(v for probe in speed.values() for v in probe.values() if v)
+    vals = [v for probe in speed.values() for v in probe.values() if v]
     if not cap.cached or not cap.probe_tbt_s or not vals:
         return None
-    now = vals[len(vals) // 2]
+    now = statistics.median_high(vals)
     if not is_stale(cap, now, spread):
         return None
     faster = now < cap.probe_tbt_s
-    return (f"the capacity in use was measured at another speed ({cap.measured_at}: {cap.probe_tbt_s * 1000:.0f} ms "
-            f"between the tokens of a lone request, {now * 1000:.0f} ms in this run), so the phases were sized for a "
+    return (f"the capacity in use was measured at another speed ({cap.measured_at}: {fmt_ms(cap.probe_tbt_s)} "
+            f"between the tokens of a lone request, {fmt_ms(now)} in this run), so the phases were sized for a "
             f"{'slower' if faster else 'faster'} machine and the burst was {'lighter' if faster else 'heavier'} than "
             "1.5x this machine's capacity; run the demo again with --recalibrate")
 
@@ -183,7 +183,7 @@ def speed_probe(url: str, model: str) -> float | None:
             r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "speed probe",
                                                          "max_tokens": PROBE_TOKENS, "ignore_eos": True}, timeout=60)
             tbts.append(float(r.json()["jitflow"]["tbt_mean"]))
-    return sorted(tbts)[len(tbts) // 2] if tbts else None
+    return statistics.median_high(tbts) if tbts else None
 
 
 # ---------------------------------------------------------------------- the mix's calls

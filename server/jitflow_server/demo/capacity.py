@@ -44,8 +44,8 @@ def warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: A
 
 
 def resolve_capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: list[CallShape], console: Any,
-              ready: Callable[[], bool] | None = None, settle: Callable[[], None] | None = None,
-              cores: str | None = None, also: list[str] | None = None) -> Capacity:
+                     ready: Callable[[], bool] | None = None, settle: Callable[[], None] | None = None,
+                     cores: str | None = None, also: list[str] | None = None) -> Capacity:
     """The engine's capacity on the demo mix: given (``--capacity``), cached, or measured on ``url``.
 
     A cached measurement is used only while the machine runs at its speed: a lone request's time between
@@ -69,11 +69,12 @@ def resolve_capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: lis
         probe = speed_probe(url, opts.model)
         if not is_stale(cap, probe):
             console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix (cached "
-                          f"{cap.measured_at}; speed probe {fmt_ms(probe)} now, {fmt_ms(cap.probe_tbt_s)} then; --recalibrate to measure again)")
+                          f"{cap.measured_at}; speed probe {fmt_ms(probe)} now, {fmt_ms(cap.probe_tbt_s)} then; "
+                          "--recalibrate to measure again)")
             return cap
         console.print(f"[yellow]this machine's speed changed since its capacity was measured[/yellow] "
-                      f"({cap.measured_at}): a lone request takes {probe * 1000:.0f} ms between tokens now, "
-                      f"{cap.probe_tbt_s * 1000:.0f} ms then; measuring again")
+                      f"({cap.measured_at}): a lone request takes {fmt_ms(probe)} between tokens now, "
+                      f"{fmt_ms(cap.probe_tbt_s)} then; measuring again")
     urls = [url, *(also or [])]
     each = f" on each of {len(urls)} engines" if len(urls) > 1 else ""
     with console.status(f"measuring this machine's capacity: {2 * opts.batch_size} requests of the demo mix in "

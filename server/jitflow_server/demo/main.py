@@ -169,11 +169,11 @@ class _Run:
         if self.cap is None:
             srv = self.servers[sides[0].label]
             k = self.sides.index(sides[0])
-            self.cap = resolve_capacity(self.opts, srv.base_url, engine_state(srv.base_url).get("dtype"), self.shapes,
-                                 self.console, ready=self.length.done,
-                                 settle=functools.partial(wait_length_model, self.length, self.console),
-                                 cores=self.cores[k] if self.cores else None,
-                                 also=[self.servers[s.label].base_url for s in sides[1:]])
+            self.cap = resolve_capacity(self.opts, srv.base_url, engine_state(srv.base_url).get("dtype"),
+                                        self.shapes, self.console, ready=self.length.done,
+                                        settle=functools.partial(wait_length_model, self.length, self.console),
+                                        cores=self.cores[k] if self.cores else None,
+                                        also=[self.servers[s.label].base_url for s in sides[1:]])
             self.measured_on = set() if self.cap.cached else {s.label for s in sides}
             self.phases = _phases(self.opts, self.cap)
             _announce(self.opts, self.cap, self.phases, self.console)
