@@ -102,10 +102,10 @@ def capacity_warning(cap: Capacity, speed: dict[str, dict[str, float | None]],
     (``speed``: per side, ``before``/``after`` its phases, s between tokens) differ from that probe by more
     than ``spread`` times (their median against it, :func:`is_stale`), else None. The phases were then sized
     for a machine of another speed: a burst at 1.5× a capacity measured while the host ran slow can be below
-    what the machine serves now, and both schedulers then meet every SLO. The staleness check before the
-    phases (:func:`is_stale`) probes a server just started, and can miss it: on the AMD host it kept a
-    capacity probed at 30 ms between tokens (so it read at least 23 ms) for a run whose probes around the
-    phases read 17-20 ms."""
+    what the machine serves now, and both schedulers then meet every SLO. This is the second check: the
+    first (:func:`is_stale`, before the phases) probes the first engine once it is warmed; when it probed a
+    just-started engine instead, on the AMD host it kept a capacity probed at 30 ms between tokens (the cold
+    engine read at least 23 ms) for a run whose probes around the phases read 17-20 ms."""
     vals = [v for probe in speed.values() for v in probe.values() if v]
     if not cap.cached or not cap.probe_tbt_s or not vals:
         return None

@@ -139,7 +139,7 @@ class _Run:
         self.speed: dict[str, dict[str, float | None]] = {}
         self.cap: Capacity | None = None
         self.phases: list[Phase] = []
-        self.measured_on: set[str] = set()  # the sides whose engines ran the capacity measurement
+        self.measured_on: set[str] = set()  # the sides whose engines are warm (the capacity measurement or its check)
 
     def launch(self, k: int) -> ServerProcess:
         side = self.sides[k]
@@ -174,7 +174,10 @@ class _Run:
                                         settle=functools.partial(wait_length_model, self.length, self.console),
                                         cores=self.cores[k] if self.cores else None,
                                         also=[self.servers[s.label].base_url for s in sides[1:]])
-            self.measured_on = set() if self.cap.cached else {s.label for s in sides}
+            # the engines the measurement ran on are warm; so is the first one when its cached capacity was
+            # checked (resolve_capacity warms it before its speed probe)
+            self.measured_on = ({s.label for s in sides} if not self.cap.cached
+                                else {sides[0].label} if self.opts.capacity_scale is None else set())
             self.phases = _phases(self.opts, self.cap)
             _announce(self.opts, self.cap, self.phases, self.console)
         wait_length_model(self.length, self.console)  # nothing else may share the CPU from here on
