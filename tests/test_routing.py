@@ -110,3 +110,43 @@ def test_bench_replicas_routes_every_job_and_writes_its_reports(tmp_path):
     assert "GMAX + goodput router" in (out / "replicas.md").read_text() and (out / "replicas.png").exists()
     bad = CliRunner().invoke(app, ["bench", "replicas", "--routers", "random", "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "routers" in bad.output
+
+
+def test_the_front_end_sees_a_job_until_it_ends_on_its_replica_not_until_a_fluid_queue_drains():
+    """The simulated front end's backlog (``bench replicas``) counts a routed job's prompt until its first
+    token and its estimated output less what it generated; a job that ended (here: rejected by admission
+    control behind a long one) leaves it at once."""
+    from jitflow_server.bench.estimates import LengthBounder
+    from jitflow_server.bench.replicas import _Routed, front_end_backlog
+    from jitflow_server.engine.jobs import CallSpec, Job
+    from jitflow_server.engine.sim import SimConfig, SimEngine
+    from jitflow_server.engine.sim_run import SimRun
+    from jitflow_server.engine.step_model import StepModel
+    from jitflow_server.scheduler import make_policy
+
+    model = StepModel(name="one-slot", base_s=0.01, per_decode_s=0.0005, per_prefill_token_s=0.0002,
+                      per_ctx_token_s=1e-7, hetero=0.0, kv_capacity_tokens=200_000, block_size=16,
+                      max_batched_tokens=1024, sarathi_chunk=256, batch_size=1)
+    jobs = [Job(f"j{i}", "deadline", 0.1 * i, "chat", [[CallSpec(100, 400 if i == 0 else 20)]], deadline=60.0)
+            for i in range(2)]
+    eng = SimEngine(model, make_policy("fcfs", delta_steps=50), LengthBounder("oracle"), None,
+                    SimConfig(waiting_time=1.0))
+    run = SimRun(eng, [], last_arrival=jobs[-1].arrival)
+    speed = [ReplicaSpeed(100.0, 1000.0)]
+    routed: list[list[_Routed]] = [[]]
+    seen = []
+    for j in jobs:
+        run.run_until(j.arrival)
+        run.add_job(j)
+        routed[0].append(_Routed(j, RouteRequest(now=j.arrival, input_tokens=100, output_tokens=500.0, slo_s=60.0),
+                                 run.states[-1]))
+        seen.append(front_end_backlog(j.arrival, speed, routed).work[0])
+    assert seen[0] == pytest.approx(100 / 1000 + 500 / 100)  # j0 just arrived: its prompt and estimated output
+    gen = run.states[0].calls[0].generated
+    assert 0 < gen < 400  # by j1's arrival j0 has started: its prompt no longer counts, its tokens do
+    assert seen[1] == pytest.approx((500 - gen) / 100 + (100 / 1000 + 500 / 100))
+    run.run_until(1.5)  # j1 never started within its waiting time: rejected
+    assert run.states[1].done and not run.states[0].done
+    b = front_end_backlog(1.5, speed, routed)
+    assert [r.job.job_id for r in routed[0]] == ["j0"] and b.work[0] == pytest.approx(
+        (500 - run.states[0].calls[0].generated) / 100)

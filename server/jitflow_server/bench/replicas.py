@@ -1,18 +1,23 @@
 """Simulated serving over several replicas of different speeds (JITServe §6.4, Fig. 18).
 
 One workload (``make_workload``) arrives at a front end that routes every job, in arrival order, to a
-replica (``scheduler/routing.py``); each replica is then simulated on its own jobs by the single-engine
-simulator (``run_sim_one``) with its own step model (the preset's, every step ``1 / speed`` times as
-long) and its own scheduling policy. Token and request goodput are summed over the replicas (one
-summary of all records over the workload's arrival window).
+replica (``scheduler/routing.py``). The replicas are simulated side by side, each by the single-engine
+simulator (:class:`~jitflow_server.engine.sim_run.SimRun`) with its own step model (the preset's, every
+step ``1 / speed`` times as long) and its own scheduling policy: before each routing decision every
+replica is advanced to the job's arrival, so the router sees the replicas as they are then. Token and
+request goodput are summed over the replicas (one summary of all records over the workload's arrival
+window).
 
-What the router knows (never the truth): each replica's speed (output tokens per second at a full
-batch and prompt tokens per second, from its step model, as a live router would measure them), the
-work it routed there (:class:`~jitflow_server.scheduler.routing.Backlog`), and per request its prompt
-tokens, its SLO and an output estimate: the mean output of its kind over the workload (the length
-predictor's role; a compound task counts all its calls). A compound task is routed as a whole (its
-stages share context, so all of them go where its first went; per-call routing of stages is not
-simulated). Routing decisions are timed (µs).
+What the router knows (never the truth), as the live front end (``engine/remote.py``) knows it: each
+replica's speed (output tokens per second at a full batch and prompt tokens per second, from its step
+model, as a live router would measure them) and, per job it routed there and that has not ended, the
+prompt tokens (until its first token), an output estimate (the mean output of its kind over the
+workload, the length predictor's role; a compound task counts all its calls) less the tokens it has
+generated, and the time by which it must finish (:func:`front_end_backlog`). A job that was rejected,
+abandoned or finished leaves the backlog when it ends on its replica, not when a fluid estimate of the
+queue would have drained it. A compound task is routed as a whole (its stages share context, so all of
+them go where its first went; per-call routing of stages is not simulated). Routing decisions are timed
+(µs).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from jitflow_server.bench.metrics import summarize
-from jitflow_server.bench.runner import RunSettings, run_sim_one
+from jitflow_server.bench.runner import RunSettings, build_sim
 from jitflow_server.bench.workload import DataSources
 from jitflow_server.engine.jobs import Job
 from jitflow_server.engine.step_model import StepModel
@@ -71,46 +76,86 @@ def route_request(job: Job, estimates: dict[str, float]) -> RouteRequest:
                         urgent=job.kind == "latency")
 
 
-def route_jobs(jobs: list[Job], speeds: list[ReplicaSpeed], router_name: str, seed: int = 0
-               ) -> tuple[list[list[Job]], list[float]]:
-    """Jobs per replica in arrival order, and each decision's time (µs). Raises ``ValueError`` for an
-    unknown router."""
-    router = make_router(router_name, seed=seed)
-    backlog = Backlog(speeds)
-    est = output_estimates(jobs)
-    out: list[list[Job]] = [[] for _ in speeds]
-    times: list[float] = []
-    for job in jobs:
-        req = route_request(job, est)
-        t0 = time.perf_counter()
-        i = router.route(req, backlog)
-        times.append((time.perf_counter() - t0) * 1e6)
-        out[i].append(job)
-    return out, times
+@dataclass
+class _Routed:
+    """A job routed to a replica, as the front end tracks it until it ends there."""
+
+    job: Job
+    req: RouteRequest
+    state: Any  # the replica's per-job state (engine/sim.py ``_JobState``)
+
+
+def _generated(r: _Routed) -> int:
+    """Output tokens the job has generated so far (finished calls and the ones in flight)."""
+    js = r.state
+    return js.out_tokens + sum(c.generated for c in js.calls if not c.life.done)
+
+
+def front_end_backlog(now: float, speeds: list[ReplicaSpeed], routed: list[list[_Routed]]) -> Backlog:
+    """Each replica's work in flight at ``now`` as the front end knows it (module docstring), the way
+    ``RemoteEngine`` builds it from its in-flight calls: in routing order, a job's work is its prompt
+    (until it has a token) and ``max(estimate − generated, 1)`` output tokens at the replica's speed; it is
+    pending (may be pushed late) if it finishes by its deadline behind the work routed before it. Ended jobs
+    are dropped from ``routed`` in place."""
+    n = len(speeds)
+    work, urgent = [0.0] * n, [0.0] * n
+    pending: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
+    for i, jobs in enumerate(routed):
+        jobs[:] = [r for r in jobs if not r.state.done]
+        for r in jobs:
+            gen = _generated(r)
+            w = speeds[i].work_s(0 if gen else r.req.input_tokens, max(r.req.output_tokens - gen, 1.0))
+            work[i] += w
+            if r.req.urgent:
+                urgent[i] += w
+            if r.req.slo_s is not None and now + work[i] <= r.req.now + r.req.slo_s:
+                pending[i].append((now + work[i], r.req.now + r.req.slo_s, r.req.output_tokens))
+    return Backlog.measured(now, speeds, work, urgent, pending)
 
 
 def run_replicas(jobs: list[Job], model: StepModel, speeds: list[float], router: str, policy: str,
                  st: RunSettings, data: DataSources, analyzers: dict | None = None) -> ReplicaRun:
-    """Route ``jobs`` over replicas of relative ``speeds`` (1 = the preset) with ``router`` and simulate
-    each replica under ``policy``; the combined summary over the workload's arrival window."""
+    """Route ``jobs`` over replicas of relative ``speeds`` (1 = the preset) with ``router`` while the replicas
+    serve them under ``policy`` (module docstring); the combined summary over the workload's arrival window.
+    Raises ``ValueError`` for non-positive speeds, an unknown router or policy."""
+    from jitflow_server.engine.sim_run import SimRun
+
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"replica speeds must be positive, got {speeds}")
     models = [model.scaled(1.0 / s) for s in speeds]
     b = st.batch_size or model.batch_size
-    parts, route_us = route_jobs(jobs, [replica_speed(m, b) for m in models], router, seed=st.seed)
+    rspeeds = [replica_speed(m, b) for m in models]
+    rt = make_router(router, seed=st.seed)
+    setups = [build_sim(jobs, m, policy, st, data, analyzers) for m in models]
+    work = setups[0].jobs  # the jobs as the engines see them (held-out prompts attached under the predictor)
+    last = max((j.arrival for j in work), default=0.0)
+    runs = [SimRun(s.engine, [], last_arrival=last) for s in setups]
+    est = output_estimates(work)
+    routed: list[list[_Routed]] = [[] for _ in models]
+    counts = [0] * len(models)
+    route_us: list[float] = []
+    for job in work:
+        for r in runs:
+            r.run_until(job.arrival)
+        req = route_request(job, est)
+        t0 = time.perf_counter()
+        i = rt.route(req, front_end_backlog(job.arrival, rspeeds, routed))
+        route_us.append((time.perf_counter() - t0) * 1e6)
+        runs[i].add_job(job)
+        routed[i].append(_Routed(job, req, runs[i].states[-1]))
+        counts[i] += 1
     records: list[dict] = []
     frames: list[float] = []
-    end = jobs[0].arrival if jobs else 0.0
-    for m, part in zip(models, parts):
-        if not part:
-            continue
-        res = run_sim_one(part, m, policy, st, data, analyzers, keep_records=True)
-        records += res["records"]
-        frames += res["frame_ms_all"]
-        end = max(end, res["makespan_at"])
-    span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
-    summary = summarize(records, span, end - (jobs[0].arrival if jobs else 0.0), frames)
-    return ReplicaRun(router, policy, [len(p) for p in parts], summary, route_us)
+    end = work[0].arrival if work else 0.0
+    for r in runs:
+        out = r.run()
+        records += out["jobs"]
+        frames += out["frame_ms"]
+        if out["jobs"]:
+            end = max(end, out["makespan"])
+    span = (work[-1].arrival - work[0].arrival) if len(work) > 1 else 1.0
+    summary = summarize(records, span, end - (work[0].arrival if work else 0.0), frames)
+    return ReplicaRun(router, policy, counts, summary, route_us)
 
 
 def decision_time_us(n_replicas: int, n_requests: int = 2000, router: str = "goodput", rps: float = 50.0,

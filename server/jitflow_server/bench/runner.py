@@ -125,21 +125,23 @@ def build_policy(variant: str, st: RunSettings):
     return make_policy(base, delta_steps=st.baseline_delta)
 
 
-def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings, data: DataSources,
-                analyzers: dict | None = None, refine_bounds: bool = True, keep_records: bool = False) -> dict:
-    """Simulate ``jobs`` under ``variant``; returns :func:`summarize` metrics plus run info.
+@dataclass
+class SimSetup:
+    """A simulated engine ready to run one variant (:func:`build_sim`): the ``engine``, the ``jobs`` it runs
+    (with held-out prompts attached under the real predictor), and what the result reports."""
 
-    ``analyzers`` caches :class:`CompoundAnalyzer` objects per mode across calls (building one loads
-    and indexes the history). ``refine_bounds=False`` keeps each call's first length bound (as the
-    HTTP replay of the fidelity run, which cannot refine). ``keep_records`` adds the raw per-job records
-    (``records``), the absolute makespan (``makespan_at``) and the frame times (``frame_ms_all``), for
-    summaries over several runs (replicas). Raises ``ValueError`` for an unknown variant.
+    engine: SimEngine
+    jobs: list[Job]
+    variant: str
+    analyzer: str
+    waiting_time: float | None
+    length_bound: str
 
-    With ``st.length_bound == "predictor"`` every variant (the oracle and the ablations too) runs ``jobs``
-    with held-out AlpacaEval prompts attached to the single calls, seeded by ``st.seed`` and cached, so all
-    policies see the same attached workload (:func:`~jitflow_server.bench.predictor_bounds.prepare_predictor_run`;
-    its ``FileNotFoundError`` names a missing AlpacaEval path).
-    """
+
+def build_sim(jobs: list[Job], model: StepModel, variant: str, st: RunSettings, data: DataSources,
+              analyzers: dict | None = None, refine_bounds: bool = True) -> SimSetup:
+    """The simulated engine of ``variant`` on ``model`` (its policy, length bounds, analyzer, admission control
+    and clients' give-up) for ``jobs``; :func:`run_sim_one` runs it. Arguments and errors as there."""
     check_variants([variant])
     if st.admission not in ADMISSION_MODES:
         raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {st.admission!r}")
@@ -181,15 +183,22 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
     give_up = None if variant.endswith("-noadmit") else st.give_up_after  # -noadmit: serve every job
     eng = SimEngine(model, pol, bounder, sim_an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed,
                                                       give_up_after=give_up))
-    out = eng.run(jobs)
+    return SimSetup(eng, jobs, variant + (TRUTH if truth else ""), an_mode, wt, len_mode)
+
+
+def sim_result(setup: SimSetup, out: dict, keep_records: bool = False) -> dict:
+    """:func:`summarize` metrics of a finished run ``out`` (``SimEngine.run``'s record) of ``setup``, plus run
+    info (see :func:`run_sim_one`)."""
+    jobs = setup.jobs
     span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
     res = summarize(out["jobs"], span, out["makespan"] - (jobs[0].arrival if jobs else 0.0), out["frame_ms"])
-    res.update(variant=variant + (TRUTH if truth else ""), analyzer=an_mode, waiting_time=wt, length_bound=len_mode, steps=out["steps"],
+    res.update(variant=setup.variant, analyzer=setup.analyzer, waiting_time=setup.waiting_time,
+               length_bound=setup.length_bound, steps=out["steps"],
                sim_preemptions=out["preemptions"], sim_preemptions_by_reason=out["preemptions_by_reason"],
                abandoned=out["abandoned"],
                sim_resumed=out["resumed"],
                kv_peak_frac=out["kv_peak_blocks"] / out["kv_capacity_blocks"],
-               wall_s=out["wall_s"], p_final=getattr(pol, "p", None))
+               wall_s=out["wall_s"], p_final=getattr(setup.engine.policy, "p", None))
     if keep_records:
         res.update(records=out["jobs"], makespan_at=out["makespan"], frame_ms_all=list(out["frame_ms"]))
     if out["match_ms"]:
@@ -197,3 +206,22 @@ def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings
 
         res["match_ms_p50"] = float(np.percentile(out["match_ms"], 50))
     return res
+
+
+def run_sim_one(jobs: list[Job], model: StepModel, variant: str, st: RunSettings, data: DataSources,
+                analyzers: dict | None = None, refine_bounds: bool = True, keep_records: bool = False) -> dict:
+    """Simulate ``jobs`` under ``variant``; returns :func:`summarize` metrics plus run info.
+
+    ``analyzers`` caches :class:`CompoundAnalyzer` objects per mode across calls (building one loads
+    and indexes the history). ``refine_bounds=False`` keeps each call's first length bound (as the
+    HTTP replay of the fidelity run, which cannot refine). ``keep_records`` adds the raw per-job records
+    (``records``), the absolute makespan (``makespan_at``) and the frame times (``frame_ms_all``), for
+    summaries over several runs (replicas). Raises ``ValueError`` for an unknown variant.
+
+    With ``st.length_bound == "predictor"`` every variant (the oracle and the ablations too) runs ``jobs``
+    with held-out AlpacaEval prompts attached to the single calls, seeded by ``st.seed`` and cached, so all
+    policies see the same attached workload (:func:`~jitflow_server.bench.predictor_bounds.prepare_predictor_run`;
+    its ``FileNotFoundError`` names a missing AlpacaEval path).
+    """
+    setup = build_sim(jobs, model, variant, st, data, analyzers, refine_bounds)
+    return sim_result(setup, setup.engine.run(setup.jobs), keep_records)

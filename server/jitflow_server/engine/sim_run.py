@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 class SimRun(PrefixCaches):
     """The state of one run of ``engine`` over ``jobs`` (virtual seconds, tokens, KV blocks)."""
 
-    def __init__(self, engine: SimEngine, jobs: list[Job]) -> None:
+    def __init__(self, engine: SimEngine, jobs: list[Job], last_arrival: float | None = None) -> None:
         from jitflow_server.engine.sim import _JobState
 
+        self._JobState = _JobState
         self.eng = engine
         self.m, self.B, self.bs, self.pol = engine.m, engine.B, engine.bs, engine.policy
         self.wall0 = time.perf_counter()
@@ -54,8 +55,9 @@ class SimRun(PrefixCaches):
             self.heap.append((job.arrival, self.seq, js))
             self.seq += 1
         heapq.heapify(self.heap)
-        self.last_arrival = max((j.arrival for j in jobs), default=0.0)
+        self.last_arrival = max((j.arrival for j in jobs), default=0.0) if last_arrival is None else last_arrival
         self.t_stop = self.last_arrival + engine.cfg.max_drain_s
+        self.t_limit = math.inf  # run_until's bound: no step starts past it
         self.running: list[_Call] = []
         self.waiting: dict[str, _Call] = {}
         self.unsched: dict[str, _Call] = {}  # never scheduled, in arrival order (admission deadlines)
@@ -351,7 +353,7 @@ class SimRun(PrefixCaches):
             return
         nxt = self.heap[0][0] if self.heap else math.inf
         exp = min((c.arrival + (c.waiting_time or math.inf) for c in self.unsched.values()), default=math.inf)
-        cand = min(nxt, exp)
+        cand = min(nxt, exp, self.t_limit)
         self.t = max(self.t + self.m.base_s, cand + 1e-9) if math.isfinite(cand) else self.t + self.m.base_s
 
     def advance(self, sched: list, admitted: list[_Call], preempted_now: bool) -> None:
@@ -373,7 +375,7 @@ class SimRun(PrefixCaches):
             t_event = self.heap[0][0] if self.heap else math.inf
             if self.unsched and self.wt is not None:
                 t_event = min(t_event, next(iter(self.unsched.values())).arrival + self.wt)
-            t_event = min(t_event, self.t_stop)
+            t_event = min(t_event, self.t_stop, self.t_limit)
             if math.isfinite(t_event) and k > 1:
                 starts = self.t + np.concatenate(([0.0], cum[:-1]))
                 k = max(1, int(np.searchsorted(starts, t_event, side="left")))
@@ -418,10 +420,29 @@ class SimRun(PrefixCaches):
                     c.js.attained += 1
 
     # ------------------------------------------------------------------ the loop
+    def add_job(self, job: Job) -> None:
+        """Hand the engine one more job (a front end routing jobs as they arrive: ``job.arrival`` not
+        before the time of the last :meth:`run_until`)."""
+        js = self._JobState(job, job.arrival)
+        self.states.append(js)
+        heapq.heappush(self.heap, (job.arrival, self.seq, js))
+        self.seq += 1
+
     def run(self) -> dict:
         """Simulate to completion; returns the record described in ``SimEngine``'s docstring."""
+        self.run_until(math.inf)
+        return self.finish()
+
+    def run_until(self, t_limit: float) -> None:
+        """Simulate until virtual time ``t_limit`` (s): no step starts after it (a step that starts
+        before it may end after it), and an idle engine waits at it for jobs still to be added."""
+        self.t_limit = t_limit
         while self.heap or self.live:
+            if self.t >= t_limit:
+                return
             if not self.live:
+                if self.heap[0][0] > t_limit:
+                    break
                 self.t = max(self.t, self.heap[0][0])
             if self.t > self.t_stop:
                 break
@@ -446,7 +467,11 @@ class SimRun(PrefixCaches):
             for c, _ in sched:
                 if c.generated >= c.true_len and not c.life.done:
                     self.finish_call(c, self.t, True)
-        # cut-off: whatever is left missed its SLO
+        if math.isfinite(t_limit) and self.t < t_limit and not self.live:
+            self.t = t_limit  # idle until then
+
+    def finish(self) -> dict:
+        """Cut off what is left (it missed its SLO) and return the run's record."""
         for c in list(self.live.values()):
             self.finish_call(c, self.t, False)
         for js in self.states:
