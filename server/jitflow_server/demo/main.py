@@ -139,7 +139,8 @@ class _Run:
         self.speed: dict[str, dict[str, float | None]] = {}
         self.cap: Capacity | None = None
         self.phases: list[Phase] = []
-        self.measured_on: set[str] = set()  # the sides whose engines are warm (the capacity measurement or its check)
+        # the sides whose engines are warm (they ran the capacity measurement or its check)
+        self.measured_on: set[str] = set()
 
     def launch(self, k: int) -> ServerProcess:
         side = self.sides[k]

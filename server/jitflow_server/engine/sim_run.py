@@ -37,7 +37,11 @@ if TYPE_CHECKING:
 
 
 class SimRun(PrefixCaches):
-    """The state of one run of ``engine`` over ``jobs`` (virtual seconds, tokens, KV blocks)."""
+    """The state of one run of ``engine`` over ``jobs`` (virtual seconds, tokens, KV blocks).
+
+    :meth:`run` simulates to completion. A front end routing jobs as they arrive starts from none and the
+    workload's ``last_arrival`` (s), alternates :meth:`run_until` an arrival with :meth:`add_job`, then
+    calls :meth:`run`: the same run, step for step, as with all the jobs given at once."""
 
     def __init__(self, engine: SimEngine, jobs: list[Job], last_arrival: float | None = None) -> None:
         from jitflow_server.engine.sim import _JobState
@@ -421,8 +425,8 @@ class SimRun(PrefixCaches):
 
     # ------------------------------------------------------------------ the loop
     def add_job(self, job: Job) -> None:
-        """Hand the engine one more job (a front end routing jobs as they arrive: ``job.arrival`` not
-        before the time of the last :meth:`run_until`)."""
+        """Hand the engine one more job (a front end routing jobs as they arrive): ``job.arrival`` is the
+        ``t_limit`` of the last :meth:`run_until` or later."""
         js = self._JobState(job, job.arrival)
         self.states.append(js)
         heapq.heappush(self.heap, (job.arrival, self.seq, js))
