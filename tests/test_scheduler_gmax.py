@@ -455,7 +455,7 @@ def test_future_margin_makes_a_later_stage_urgent_earlier():
                            stage_index=1, task_rem_gen_time=rem)
 
     for margin, feasible in ((1.0, True), (2.0, False)):
-        pol = gmax(future_margin=margin)
+        pol = gmax(future_margin=margin, soft_feasibility=0.0)
         pol.schedule([stage(30.0)], ctx(now=0.0, b=1))
         assert bool(pol.last_estimates.feasible[0]) is feasible
     for bad in (0.5, math.inf):
@@ -463,6 +463,31 @@ def test_future_margin_makes_a_later_stage_urgent_earlier():
             GMAXPolicy(future_margin=bad)
     with pytest.raises(ValueError, match="request_weight"):
         GMAXPolicy(request_weight=-1.0)
+
+
+def test_soft_feasibility_keeps_a_share_of_the_value_of_a_stage_the_margin_gives_up_on():
+    """A stage that can finish in time with the analyzer's estimate of its task's later stages but not with
+    future_margin times it keeps soft_feasibility of its value, and ranks as urgent (just in time: no slack
+    is left under the margin); a stage that cannot finish even with the estimate as is keeps nothing."""
+    def stage(rid: str, rem: float) -> RequestView:  # 100 tokens at 0.01 s: 1 s of generation, 41 s left
+        return RequestView(rid, Kind.COMPOUND, 0.0, 100, 0, 100, False, deadline=41.0, task_id=f"T{rid}",
+                           stage_index=1, task_rem_gen_time=rem, task_tokens_est=1000)
+
+    def run(rem: float, **kw):
+        pol = GMAXPolicy(future_margin=2.0, request_weight=0.0, adapt_p=False, starvation_delta=0.0, **kw)
+        pol.schedule([stage("s", rem)], ctx(now=0.0, b=1))
+        return pol.last_estimates
+
+    sure, doubtful, lost = (run(rem, soft_feasibility=0.25) for rem in (10.0, 30.0, 45.0))
+    assert sure.feasible[0] and sure.goodput[0] == pytest.approx(1000)  # 41 − 2·10 ≥ 1 s
+    assert doubtful.feasible[0] and doubtful.goodput[0] == pytest.approx(250)  # 41 − 2·30 < 1 s ≤ 41 − 30
+    assert doubtful.marginal[0] == pytest.approx(250)  # deferring it loses that share: urgent
+    assert not lost.feasible[0] and lost.goodput[0] == 0.0  # 41 − 45 < 1 s
+    off = run(30.0, soft_feasibility=0.0)  # the rule before: infeasible under the margin is infeasible
+    assert not off.feasible[0] and off.goodput[0] == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="soft_feasibility"):
+            GMAXPolicy(soft_feasibility=bad)
 
 
 def test_compound_value_prices_a_stage_group_by_the_task_or_by_its_own_calls():

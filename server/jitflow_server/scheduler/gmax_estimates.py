@@ -219,6 +219,7 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         rem_future, tok_est, task_dl, sub_dl = sg.max(np.array((
             snap.task_rem_gen_time[i], fill_nan(snap.task_tokens_est[i], -np.inf),
             fill_nan(snap.deadline[i], -np.inf), fill_nan(snap.sub_deadline[i], -np.inf))))
+        rem_later = rem_future  # the analyzer's estimate as is
         rem_future = prm.future_margin * rem_future
         tok_sum = np.bincount(g, base[i], minlength=ng)
         if prm.compound_value == "stage":  # the stage's own tokens: see GMAXParams.compound_value
@@ -232,6 +233,16 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
             task_slack = np.where(has_task, task_dl - now - rem_future, stage_rem)
         budget = task_slack if prm.compound_feasibility == "task" else stage_rem
         g_ok = max_tgen <= budget + 1e-9  # (K, groups)
+        # feasible only with the later stages as the analyzer estimates them (GMAXParams.soft_feasibility)
+        doubtful = None
+        if prm.soft_feasibility > 0 and prm.future_margin > 1 and prm.compound_feasibility == "task":
+            with np.errstate(invalid="ignore"):
+                optimistic = np.where(has_task, task_dl - now - rem_later, stage_rem)
+            doubtful = (max_tgen <= optimistic + 1e-9) & ~g_ok
+        g_value = np.where(g_ok, g_tokens, 0.0)
+        if doubtful is not None:
+            g_value = np.where(doubtful, prm.soft_feasibility * g_tokens, g_value)
+            g_ok = g_ok | doubtful
         rescue = prm.compound_admit == "member" and marginal is not None and snap.admit_by is not None
         if rescue or prm.compound_priority == "commit":
             begun = sg.max((gen[i] > 0) | snap.running[i])  # (groups,) a member is running or has generated
@@ -254,11 +265,11 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         t_rem[i] = stage_rem[g]
         base[i] = g_tokens[g]
         feasible[:, i] = g_ok[:, g]
-        goodput[:, i] = np.where(g_ok, g_tokens, 0.0)[:, g]
+        goodput[:, i] = g_value[:, g]
         if marginal is not None:
             pace = budget if prm.jit_pacing == "task" else np.minimum(budget, stage_rem)
-            late_next = g_ok & (max_tgen * (1.0 + prm.jit_slack) > pace - frame_s)
-            marginal[:, i] = np.where(late_next, g_tokens, 0.0)[:, g]
+            late_next = g_ok & (max_tgen * (1.0 + prm.jit_slack) > pace - frame_s)  # doubtful: always
+            marginal[:, i] = np.where(late_next, g_value, 0.0)[:, g]
     if marginal is not None and snap.admit_by is not None:
         # admission control (JITServe §5) rejects a never-scheduled request at admit_by: deferring it
         # past that loses all of its goodput (a compound call: its whole task's).

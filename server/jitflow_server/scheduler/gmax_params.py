@@ -152,6 +152,14 @@ class GMAXParams:
       of the task (in its laxity, feasibility and priority). 1 = the analyzer's estimate as is.
       Chosen with ``compound_value`` on tuning seeds (docs/scheduling.md "Pricing a stage at its
       task's value").
+    - ``soft_feasibility`` [0.1]: the share of its value a compound stage group keeps when it can finish
+      in time with the analyzer's estimate of the later stages but not with ``future_margin`` times it
+      (with ``compound_feasibility="task"``; 0: such a group is infeasible, as before). The margin is what
+      the later stages take on a loaded engine, not a bound: under tight SLOs it gave up on tasks that
+      could still finish (GMAX met 0.18 of the agent tasks against Tempo's 0.23 under SLOs × 0.6), while
+      valuing them fully starts tasks that are then abandoned under load. Such a group is ranked as
+      urgent (its slack under the margin is gone) at this share of its value. Chosen on tuning seeds
+      (docs/scheduling.md "Soft feasibility").
     - ``compound_value`` ["task"]: the goodput of a compound stage group. "task" (JITServe §4.2): the
       task's estimated total tokens (``task_tokens_est``), since the stage unlocks the whole task, over
       the task's remaining time (the stage's and, scaled by ``future_margin``, the later stages');
@@ -212,6 +220,7 @@ class GMAXParams:
     stall_value: str = "goodput"
     request_weight: float = 1.5
     future_margin: float = 3.0
+    soft_feasibility: float = 0.1
     compound_value: str = "task"
     batch_sizing: str = "goodput"
     batch_margin: float = 0.15
@@ -265,6 +274,8 @@ class GMAXParams:
             raise ValueError(f"preempt_margin must be >= 0, got {self.preempt_margin}")
         if not (self.request_weight >= 0 and np.isfinite(self.request_weight)):
             raise ValueError(f"request_weight must be a finite number >= 0, got {self.request_weight}")
+        if not 0.0 <= self.soft_feasibility <= 1.0:
+            raise ValueError(f"soft_feasibility must be in [0, 1], got {self.soft_feasibility}")
         if not (self.future_margin >= 1 and np.isfinite(self.future_margin)):
             raise ValueError(f"future_margin must be a finite number >= 1, got {self.future_margin}")
         if self.default_ttft <= 0 or self.default_tbt <= 0:
