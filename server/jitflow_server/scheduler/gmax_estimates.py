@@ -123,7 +123,9 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     Per kind: latency goodput = remaining on-time output tokens at the measured
     speed (:func:`on_time_tokens`); deadline / best-effort goodput = ``ω_i·input + ω_o·output`` if
     ``now + t_gen ≤ deadline``; compound goodput = the task's estimated tokens (else the stage
-    group's tokens) if the group can finish in time, shared by all members of the stage group; with
+    group's tokens) if the group can finish in time (``soft_feasibility`` of them if only with the
+    analyzer's estimate of the later stages, not ``future_margin`` times it), shared by all members of
+    the stage group; with
     ``compound_admit="member"`` a waiting call of a begun stage that admission control rejects before
     the next decision is priced on its own generation time instead of the group's.
     """
