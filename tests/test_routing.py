@@ -139,7 +139,7 @@ def test_the_front_end_sees_a_job_until_it_ends_on_its_replica_not_until_a_fluid
         run.run_until(j.arrival)
         run.add_job(j)
         routed[0].append(_Routed(j, RouteRequest(now=j.arrival, input_tokens=100, output_tokens=500.0, slo_s=60.0),
-                                 run.states[-1]))
+                                 run.states[-1], 0))
         seen.append(front_end_backlog(j.arrival, speed, routed).work[0])
     assert seen[0] == pytest.approx(100 / 1000 + 500 / 100)  # j0 just arrived: its prompt and estimated output
     gen = run.states[0].calls[0].generated

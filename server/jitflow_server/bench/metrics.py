@@ -16,6 +16,13 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
+def met_output_share(jobs: list[dict]) -> float | None:
+    """Share of the output tokens of ``jobs`` (records with ``output_tokens`` and ``slo_met``) generated for
+    jobs that met their SLO; None when nothing was generated."""
+    out = sum(j["output_tokens"] for j in jobs)
+    return sum(j["output_tokens"] for j in jobs if j["slo_met"]) / out if out > 0 else None
+
+
 def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list[float] | None = None) -> dict:
     """Metrics of one run.
 
@@ -41,7 +48,6 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
     good = float(sum(j["goodput"] for j in jobs))
     met = sum(1 for j in jobs if j["slo_met"])
     out = float(sum(j["output_tokens"] for j in jobs))
-    met_out = float(sum(j["output_tokens"] for j in jobs if j["slo_met"]))
     res: dict = {
         "jobs": n,
         "token_goodput": good / span,
@@ -50,7 +56,7 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
         "slo_attainment": met / n if n else 0.0,
         "throughput": out / max(makespan_s, 1e-9),
         "output_tokens": out,
-        "met_output_share": met_out / out if out > 0 else None,
+        "met_output_share": met_output_share(jobs),
         "throughput_window": (sum(j["output_tokens_window"] for j in jobs) / span
                               if jobs and all("output_tokens_window" in j for j in jobs) else None),
         "token_throughput": ((sum(j["served_input_tokens"] for j in jobs) + out) / max(makespan_s, 1e-9)
@@ -72,10 +78,9 @@ def summarize(jobs: list[dict], span_s: float, makespan_s: float, frame_ms: list
         ttft = [j["ttft"] for j in js if j.get("ttft") is not None]
         tbt = [j["tbt_mean"] for j in js if j.get("tbt_mean") is not None]
         e2el = [j["e2el"] for j in js if j.get("e2el") is not None]
-        k_out = sum(j["output_tokens"] for j in js)
         res["per_kind"][k] = {
             "n": len(js),
-            "met_output_share": (sum(j["output_tokens"] for j in js if j["slo_met"]) / k_out) if k_out else None,
+            "met_output_share": met_output_share(js),
             "slo_attainment": sum(1 for j in js if j["slo_met"]) / len(js),
             "goodput_tokens": float(sum(j["goodput"] for j in js)),
             "rejected": sum(1 for j in js if j.get("rejected")),

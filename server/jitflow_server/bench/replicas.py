@@ -78,39 +78,44 @@ def route_request(job: Job, estimates: dict[str, float]) -> RouteRequest:
 
 @dataclass
 class _Routed:
-    """A job routed to a replica, as the front end tracks it until it ends there."""
+    """A job routed to ``replica``, as the front end tracks it until it ends there (an
+    :class:`~jitflow_server.scheduler.routing.InFlight`)."""
 
     job: Job
     req: RouteRequest
     state: Any  # the replica's per-job state (engine/sim.py ``_JobState``)
+    replica: int
 
+    @property
+    def prompt_tokens(self) -> int:
+        return self.req.input_tokens
 
-def _generated(r: _Routed) -> int:
-    """Output tokens the job has generated so far (finished calls and the ones in flight)."""
-    js = r.state
-    return js.out_tokens + sum(c.generated for c in js.calls if not c.life.done)
+    @property
+    def est_output(self) -> float:
+        return self.req.output_tokens
+
+    @property
+    def generated(self) -> int:
+        """Output tokens the job has generated so far (finished calls and the ones in flight)."""
+        js = self.state
+        return js.out_tokens + sum(c.generated for c in js.calls if not c.life.done)
+
+    @property
+    def urgent(self) -> bool:
+        return self.req.urgent
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.req.slo_s is None else self.req.now + self.req.slo_s
 
 
 def front_end_backlog(now: float, speeds: list[ReplicaSpeed], routed: list[list[_Routed]]) -> Backlog:
-    """Each replica's work in flight at ``now`` as the front end knows it (module docstring), the way
-    ``RemoteEngine`` builds it from its in-flight calls: in routing order, a job's work is its prompt
-    (until it has a token) and ``max(estimate − generated, 1)`` output tokens at the replica's speed; it is
-    pending (may be pushed late) if it finishes by its deadline behind the work routed before it. Ended jobs
-    are dropped from ``routed`` in place."""
-    n = len(speeds)
-    work, urgent = [0.0] * n, [0.0] * n
-    pending: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
-    for i, jobs in enumerate(routed):
+    """Each replica's work in flight at ``now`` as the front end knows it (module docstring), built as
+    ``RemoteEngine`` builds it (:meth:`~jitflow_server.scheduler.routing.Backlog.in_flight`). Ended jobs are
+    dropped from ``routed`` in place."""
+    for jobs in routed:
         jobs[:] = [r for r in jobs if not r.state.done]
-        for r in jobs:
-            gen = _generated(r)
-            w = speeds[i].work_s(0 if gen else r.req.input_tokens, max(r.req.output_tokens - gen, 1.0))
-            work[i] += w
-            if r.req.urgent:
-                urgent[i] += w
-            if r.req.slo_s is not None and now + work[i] <= r.req.now + r.req.slo_s:
-                pending[i].append((now + work[i], r.req.now + r.req.slo_s, r.req.output_tokens))
-    return Backlog.measured(now, speeds, work, urgent, pending)
+    return Backlog.in_flight(now, speeds, (r for jobs in routed for r in jobs))
 
 
 def run_replicas(jobs: list[Job], model: StepModel, speeds: list[float], router: str, policy: str,
@@ -142,7 +147,7 @@ def run_replicas(jobs: list[Job], model: StepModel, speeds: list[float], router:
         i = rt.route(req, front_end_backlog(job.arrival, rspeeds, routed))
         route_us.append((time.perf_counter() - t0) * 1e6)
         runs[i].add_job(job)
-        routed[i].append(_Routed(job, req, runs[i].states[-1]))
+        routed[i].append(_Routed(job, req, runs[i].states[-1], i))
         counts[i] += 1
     records: list[dict] = []
     frames: list[float] = []

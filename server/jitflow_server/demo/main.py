@@ -175,10 +175,10 @@ class _Run:
                                         settle=functools.partial(wait_length_model, self.length, self.console),
                                         cores=self.cores[k] if self.cores else None,
                                         also=[self.servers[s.label].base_url for s in sides[1:]])
-            # the engines the measurement ran on are warm; so is the first one when its cached capacity was
-            # checked (resolve_capacity warms it before its speed probe)
-            self.measured_on = ({s.label for s in sides} if not self.cap.cached
-                                else {sides[0].label} if self.opts.capacity_scale is None else set())
+            if not self.cap.cached:  # the engines the measurement ran on are warm
+                self.measured_on = {s.label for s in sides}
+            elif self.opts.capacity_scale is None:  # resolve_capacity warmed the first to check its speed
+                self.measured_on = {sides[0].label}
             self.phases = _phases(self.opts, self.cap)
             _announce(self.opts, self.cap, self.phases, self.console)
         wait_length_model(self.length, self.console)  # nothing else may share the CPU from here on

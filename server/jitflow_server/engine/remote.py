@@ -161,23 +161,12 @@ class RemoteEngine(HFTokenizerMixin):
     def _backlog(self, now: float, speeds: list[ReplicaSpeed], without: Flight | None = None) -> Backlog:
         """Each replica's work in flight at ``now`` (s of its capacity), ``without`` one flight (a hand-over weighs
         where a call would wait behind the others)."""
-        n = len(self.replicas)
-        work, urgent = [0.0] * n, [0.0] * n
-        pending: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
-        for f in self._flights.values():  # routing order: a request waits behind those routed before it
-            i = f.replica
-            if i < 0 or f.aborted or f is without:
-                continue
-            w = speeds[i].work_s(0 if f.generated else f.prompt_tokens, max(f.est_output - f.generated, 1.0))
-            work[i] += w
-            if f.urgent:
-                urgent[i] += w
-            if f.deadline is not None and now + work[i] <= f.deadline:
-                pending[i].append((now + work[i], f.deadline, f.est_output))
+        b = Backlog.in_flight(now, speeds, (f for f in self._flights.values()  # routing order
+                                            if f.replica >= 0 and not f.aborted and f is not without))
         for i, r in enumerate(self.replicas):
             if not r.up:
-                work[i] = urgent[i] = _DOWN_WORK_S
-        return Backlog.measured(now, speeds, work, urgent, pending)
+                b.work[i] = b.urgent[i] = _DOWN_WORK_S
+        return b
 
     def _handover_target(self, f: Flight, i: int) -> int:
         """The up replica other than ``i`` where ``f`` waits least (s of work in flight, :meth:`_backlog`, not

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Backlog", "GoodputRouter", "LeastLoaded", "PrefixAffinity", "ReplicaSpeed", "RouteRequest",
+__all__ = ["Backlog", "GoodputRouter", "InFlight", "LeastLoaded", "PrefixAffinity", "ReplicaSpeed", "RouteRequest",
            "RoundRobin", "Router", "ROUTER_NAMES", "make_router"]
 
 
@@ -70,6 +70,19 @@ class RouteRequest:
     urgent: bool = False
 
 
+class InFlight(Protocol):
+    """A request in flight as a front end knows it: the ``replica`` it is on, its ``prompt_tokens``, its
+    estimated output ``est_output`` (tokens) and the tokens ``generated`` so far, ``urgent`` for a latency
+    request, and the ``deadline`` (absolute s; ``None``: best effort) by which it must finish to count."""
+
+    replica: int
+    prompt_tokens: int
+    est_output: float
+    generated: int
+    urgent: bool
+    deadline: float | None
+
+
 class Backlog:
     """Each replica's unfinished routed work in seconds of its own capacity, drained at rate 1 as time
     passes (a fluid estimate of the queue; a live front end can overwrite it from each replica's
@@ -100,6 +113,25 @@ class Backlog:
         b.urgent = [min(max(float(u), 0.0), w) for u, w in zip(urgent, b.work)]
         b.pending = [list(p) for p in pending]
         return b
+
+    @classmethod
+    def in_flight(cls, now: float, speeds: Sequence[ReplicaSpeed], flights: Iterable[InFlight]) -> Backlog:
+        """The backlog a front end builds at ``now`` from its ``flights``, in routing order (a request waits
+        behind those routed before it): each one's prompt until it has a token and ``max(est_output −
+        generated, 1)`` output tokens at its replica's speed; pending if it finishes by its deadline behind
+        the work routed before it. Raises ``ValueError`` when ``speeds`` is empty."""
+        n = len(speeds)
+        work, urgent = [0.0] * n, [0.0] * n
+        pending: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
+        for f in flights:
+            i = f.replica
+            w = speeds[i].work_s(0 if f.generated else f.prompt_tokens, max(f.est_output - f.generated, 1.0))
+            work[i] += w
+            if f.urgent:
+                urgent[i] += w
+            if f.deadline is not None and now + work[i] <= f.deadline:
+                pending[i].append((now + work[i], f.deadline, f.est_output))
+        return cls.measured(now, speeds, work, urgent, pending)
 
     def at(self, now: float) -> list[float]:
         """Backlogs (s) at ``now`` (time never runs backwards here: an earlier ``now`` is ``t``)."""
