@@ -27,7 +27,7 @@ def test_a_full_batch_that_breaks_every_deadline_is_shrunk_to_the_size_that_meet
     # 12 requests for 8 slots, 100 tokens each by 7.5 s: at 8 (0.10 s/token) and 6 (0.08) every request is
     # late; at 5 (0.07) it is on time.
     views = deadline_requests(12, 7.5)
-    d = make_policy("gmax").schedule(views, ctx(CPU_LIKE))
+    d = make_policy("gmax", bound_share=1.0).schedule(views, ctx(CPU_LIKE))  # the bounds are the lengths
     assert d.info["batch_size"] == 5
     assert len(d.batch) == 5
 
@@ -60,7 +60,7 @@ def test_without_a_token_time_model_or_with_a_flat_one_the_batch_is_b():
 def test_chat_tbt_slos_shrink_the_batch_only_as_far_as_they_need():
     # TBT SLO 0.075 s: on time at up to 5 requests (0.07 s), late beyond; 12 chat requests waiting.
     views = [RequestView(f"c{i}", Kind.LATENCY, 100.0, 50, 0, 100, False, ttft=0.5, tbt=0.075) for i in range(12)]
-    d = make_policy("gmax").schedule(views, ctx(CPU_LIKE))
+    d = make_policy("gmax", bound_share=1.0).schedule(views, ctx(CPU_LIKE))  # the bounds are the lengths
     assert d.info["batch_size"] == 5
 
 

@@ -38,6 +38,7 @@ def gmax(**kw) -> GMAXPolicy:
     kw.setdefault("adapt_p", False)
     kw.setdefault("starvation_delta", 0.0)
     kw.setdefault("request_weight", 0.0)  # the paper's token-only objective
+    kw.setdefault("bound_share", 1.0)  # plans with the whole length bound (§4.1)
     return GMAXPolicy(**kw)
 
 
@@ -252,7 +253,7 @@ def test_a_begun_stages_call_about_to_be_rejected_is_priced_on_its_own_time():
     tokens_t = 3 * 100 + 50 + 300 + 1200
     group_s = (40 + 300 + 1200) * 0.01
     c = ctx(now=1.0, b=5, v=0.01)  # horizon: 2 frames of Δ·v = 0.5 s
-    kw = dict(adapt_p=False, starvation_delta=0.0, request_weight=0.0, full_priorities=True)
+    kw = dict(adapt_p=False, starvation_delta=0.0, request_weight=0.0, full_priorities=True, bound_share=1.0)
     at_risk = 1.01  # never started: marginal = all its goodput, plus jit_fill (0.01) × goodput
     member = make_policy("gmax", **kw).schedule(begun + fresh, c).priorities  # the default
     group = make_policy("gmax", compound_admit="group", **kw).schedule(begun + fresh, c).priorities
@@ -536,10 +537,33 @@ def test_jit_slack_makes_a_stage_urgent_while_a_slower_engine_could_still_meet_i
 
     def pick(slack: float) -> list[str]:
         pol = make_policy("gmax", adapt_p=False, starvation_delta=0.0, jit_slack=slack, jit_horizon=1.0,
-                          delta_steps=50)  # horizon: 50 steps of 0.01 s
+                          delta_steps=50, bound_share=1.0)  # horizon: 50 steps of 0.01 s
         return pol.schedule([stage, dense], ctx(now=1.0, b=1)).batch
 
     assert pick(0.0) == ["R"]
     assert pick(0.3) == ["st"]
     with pytest.raises(ValueError, match="jit_slack"):
         gmax(jit_slack=-0.1)
+
+
+def test_bound_share_plans_with_a_share_of_the_remaining_bound():
+    """A deadline request bounded at 1 000 tokens, 300 of them generated, 6 s left at 0.01 s a token:
+    planned with the whole bound (7 s) it cannot finish and is worth nothing; with half of what the bound
+    leaves (3.5 s) it can. A request whose true length is known (the oracle) plans with that length."""
+    req = RequestView("d", Kind.DEADLINE, 0.0, 100, 300, 1000, True, deadline=7.0, kv_tokens=400)
+    whole = gmax()
+    whole.schedule([req], ctx(now=1.0, b=1))
+    assert whole.last_estimates.len_rem[0] == pytest.approx(700)
+    assert not whole.last_estimates.feasible[0] and whole.last_estimates.goodput[0] == 0.0
+    half = gmax(bound_share=0.5)
+    half.schedule([req], ctx(now=1.0, b=1))
+    assert half.last_estimates.len_rem[0] == pytest.approx(350)
+    # worth its input and the output it is planned at (300 generated + 350)
+    assert half.last_estimates.feasible[0] and half.last_estimates.goodput[0] == pytest.approx(750)
+    known = RequestView("k", Kind.DEADLINE, 0.0, 100, 300, 1000, True, deadline=7.0, kv_tokens=400, true_len=900)
+    oracle = gmax(bound_share=0.5, use_true_len=True)
+    oracle.schedule([known], ctx(now=1.0, b=1))
+    assert oracle.last_estimates.len_rem[0] == pytest.approx(600)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="bound_share"):
+            GMAXPolicy(bound_share=bad)

@@ -26,6 +26,8 @@ def policy(**kw) -> GMAXPolicy:
     kw.setdefault("jit", False)
     kw.setdefault("free_pause", True)
     kw.setdefault("stall_value", "tokens")
+    kw.setdefault("bound_share", 1.0)
+    kw.setdefault("request_weight", 0.0)  # the paper's token-only objective
     return GMAXPolicy(adapt_p=False, starvation_delta=0.0, delta_steps=DELTA, full_priorities=True, **kw)
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from jitflow_server.scheduler import Kind, RequestView, SchedContext, best_replica, dummy_copies
+from jitflow_server.scheduler import GMAXPolicy, Kind, RequestView, SchedContext, best_replica, dummy_copies
 
 
 def replica(i: int, v: float, prefill: float = 5000.0) -> SchedContext:
@@ -16,7 +16,7 @@ def replica(i: int, v: float, prefill: float = 5000.0) -> SchedContext:
 def test_picks_the_replica_where_the_deadline_is_still_reachable():
     r = RequestView("r", Kind.DEADLINE, 0.0, 100, 0, 500, False, deadline=9.0)
     ctxs = [replica(0, 0.02), replica(1, 0.01), replica(2, 0.05)]  # 500 tokens: 10 s, 5 s, 25 s
-    best, prio, scores = best_replica(r, ctxs)
+    best, prio, scores = best_replica(r, ctxs, GMAXPolicy(adapt_p=False, jit=False, bound_share=1.0))
     assert best == 1
     assert scores[1] == prio == max(scores.values())
     assert scores[0] < scores[1] / 100  # infeasible on replica 0 -> demoted there

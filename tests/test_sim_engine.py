@@ -342,3 +342,35 @@ def test_jobs_handed_over_as_they_arrive_run_exactly_as_one_workload(policy):
     assert any(r["rejected"] for r in whole["jobs"]) and any(r["slo_met"] for r in whole["jobs"])
     assert handed["jobs"] == whole["jobs"]
     assert handed["steps"] == whole["steps"] and handed["makespan"] == whole["makespan"]
+
+
+def test_the_token_time_a_policy_sees_includes_other_requests_prefill_as_on_the_plugin():
+    """Four requests decode while a 1 000-token prompt arrives every 0.3 s: each prompt's prefill step is
+    ~17 decode steps long, and the decoders wait through it for their next token. The simulator records
+    each step's duration as its period (its steps run back to back), so the SLO tracker's token time,
+    what policies plan with, covers that wait as the plug-in's measured one does, instead of counting
+    model time per decode alone (a third of the wait here)."""
+    from jitflow_server.engine.jobs import CallSpec, Job
+
+    jobs = [Job(f"d{i}", "deadline", 0.0, "batch", [[CallSpec(20, 400)]], deadline=1000.0) for i in range(4)]
+    jobs += [Job(f"p{i}", "deadline", 0.3 * (i + 1), "batch", [[CallSpec(1000, 1)]], deadline=1000.0)
+             for i in range(30)]
+    pol = make_policy("fcfs", delta_steps=50)
+    steps: list[tuple[float, int]] = []
+    eng = SimEngine(SMALL, pol, LengthBounder("oracle"), _analyzer(SMALL), SimConfig(seed=0),
+                    on_step=lambda t, step, n, used: steps.append((t, step)))
+    planned: list[float] = []
+    schedule = pol.schedule
+
+    def spy(views, ctx):
+        if 2.0 < ctx.now < 8.0:  # while the prompts keep arriving
+            planned.append(eng.tracker.token_time(4))
+        return schedule(views, ctx)
+
+    pol.schedule = spy
+    eng.run(jobs)
+    mid = [(t, s) for t, s in steps if 2.0 < t < 8.0]
+    per_token = (mid[-1][0] - mid[0][0]) / (mid[-1][1] - mid[0][1])  # every step gives each decoder a token
+    decode_only = SMALL.base_s + 4 * SMALL.per_decode_s
+    assert per_token > 2.5 * decode_only  # the prefill chunks dominate the wait
+    assert sorted(planned)[len(planned) // 2] == pytest.approx(per_token, rel=0.25)

@@ -186,7 +186,7 @@ class SimEngine:
         self.budget0 = int(chunk)
         self.cap_blocks = model.kv_capacity_tokens // model.block_size
         self.bs = model.block_size
-        self.tracker = StepTimeTracker(window=128, default_token_time=model.decode_token_time(self.B),
+        self.tracker = StepTimeTracker(default_token_time=model.decode_token_time(self.B),
                                        default_prefill_rate=1.0 / max(model.per_prefill_token_s, 1e-9))
         prm = getattr(policy, "params", None)
         self.delta = int(getattr(prm, "delta_steps", None) or getattr(policy, "delta_steps", 1) or 1)

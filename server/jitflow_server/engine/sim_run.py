@@ -385,9 +385,7 @@ class SimRun(PrefixCaches):
                 k = max(1, int(np.searchsorted(starts, t_event, side="left")))
                 cum = cum[:k]
             times = (self.t + cum).tolist()
-            eng.tracker.record(float(steps[0]), n, 0)
-            if k > 1:
-                eng.tracker.record(float(steps[k - 1]), n, 0)
+            eng.tracker.record_run(steps[:k].tolist(), n, 0)
             for c, _ in sched:
                 c.computed += k
                 c.generated += k
@@ -411,7 +409,7 @@ class SimRun(PrefixCaches):
         self.prefill_total += pre
         dt = m.raw_time(n_dec, pre, dec_ctx) * hetero + self.stall
         self.stall = 0.0
-        eng.tracker.record(dt, n_dec, pre)
+        eng.tracker.record(dt, n_dec, pre, dt)  # back to back: the period is the step itself
         self.t += dt
         for c, nt in sched:
             c.computed += nt

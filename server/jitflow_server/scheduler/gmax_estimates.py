@@ -120,6 +120,9 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     fields come back as (K, N) (:meth:`Estimates.row` picks one). One pass over K speeds costs about what
     one speed did: the frame's cost is numpy's per-call overhead on a few hundred rows, not arithmetic.
 
+    The remaining length is ``max(bound_share · (len_bound − generated), 1)`` tokens (with
+    ``use_true_len`` a known true length in place of the bound, whole), the generation time that length
+    at each token time plus the pending prefill at ``ctx.prefill_rate``.
     Per kind: latency goodput = remaining on-time output tokens at the measured
     speed (:func:`on_time_tokens`); deadline / best-effort goodput = ``ω_i·input + ω_o·output`` if
     ``now + t_gen ≤ deadline``; compound goodput = the task's estimated tokens (else the stage
@@ -136,7 +139,10 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     total = snap.len_bound
     if prm.use_true_len:
         total = np.where(np.isnan(snap.true_len), total, snap.true_len)
-    len_rem = np.maximum(total - gen, 1.0)
+    share = prm.bound_share  # plan with a share of what the bound leaves (GMAXParams.bound_share)
+    if prm.use_true_len:
+        share = np.where(np.isnan(snap.true_len), share, 1.0)  # a true length is planned whole
+    len_rem = np.maximum(share * (total - gen), 1.0)
     if prm.overrun > 0 and not prm.use_true_len:
         # the bound was too low (the engine keeps generating): the remaining length is unknown
         over = total - gen <= 1.0

@@ -132,7 +132,7 @@ class GMAXParams:
     - ``block_pricing`` [True]: the whole-block rule above; False discounts all of the KV (the earlier rule).
       Measured side by side (docs/scheduling.md "Whole-block pricing"): True wins under sustained
       overload and on the A100 preset, False on short bursts and on the AVX-512 CPU preset.
-    - ``request_weight`` [1.5]: the value of meeting one request's SLO, as a multiple of the mean call's
+    - ``request_weight`` [3.0]: the value of meeting one request's SLO, as a multiple of the mean call's
       base goodput in the frame (``request_weight × mean(R)`` tokens), added to the goodput of every
       latency request whose remaining tokens can all be on time, every feasible deadline request and
       every feasible compound stage group (once per task); best-effort requests get none. The
@@ -141,7 +141,9 @@ class GMAXParams:
       same admission for every policy, GMAX then met the SLO of only 42-73 % as many requests as
       SJF or LAS. The paper notes that GMAX runs over any goodput definition, request-level included
       (§3, §6.2); this weight blends the two, so neither count is given up for the other. 0 = the
-      paper's token objective. Chosen on tuning seeds (docs/scheduling.md "Counting requests as well as tokens").
+      paper's token objective. Chosen on tuning seeds (docs/scheduling.md "Counting requests as well as
+      tokens"; 1.5 until the simulator's token time counted prefill interference, then re-tuned with
+      ``bound_share``: "A faithful token time").
     - ``future_margin`` [3.0]: multiplier on ``task_rem_gen_time`` (the analyzer's estimate of the time
       the task's later stages need). The current stage is sized with the length *upper bound* and the
       engine's *measured* decode speed, the later stages with the matched graph's typical lengths
@@ -160,6 +162,15 @@ class GMAXParams:
       valuing them fully starts tasks that are then abandoned under load. Such a group is ranked as
       urgent (its slack under the margin is gone) at this share of its value. Chosen on tuning seeds
       (docs/scheduling.md "Soft feasibility").
+    - ``bound_share`` [0.7]: the share of a request's remaining length bound (``len_bound − generated``)
+      GMAX plans its generation time, feasibility and priority with (never below one token; a request
+      with a true length, under ``use_true_len``, plans with it). The bound is the predictor's
+      q-quantile, an upper bound by construction (median bound/true 1.5-2 on unseen prompts,
+      docs/analyzer.md), and the token time it multiplies is the measured one, prefill interference
+      included (``tracker/steps.py``): planning with the whole bound judges feasible requests
+      infeasible. KV-cache reservations, admission control and the overrun rule keep the whole bound.
+      1 = the bound itself. Chosen with ``request_weight`` on tuning seeds (docs/scheduling.md "A faithful
+      token time").
     - ``compound_value`` ["task"]: the goodput of a compound stage group. "task" (JITServe §4.2): the
       task's estimated total tokens (``task_tokens_est``), since the stage unlocks the whole task, over
       the task's remaining time (the stage's and, scaled by ``future_margin``, the later stages');
@@ -218,9 +229,10 @@ class GMAXParams:
     starvation_clock: str = "waiting"
     free_pause: bool = False
     stall_value: str = "goodput"
-    request_weight: float = 1.5
+    request_weight: float = 3.0
     future_margin: float = 3.0
     soft_feasibility: float = 0.1
+    bound_share: float = 0.7
     compound_value: str = "task"
     batch_sizing: str = "goodput"
     batch_margin: float = 0.15
@@ -276,6 +288,8 @@ class GMAXParams:
             raise ValueError(f"request_weight must be a finite number >= 0, got {self.request_weight}")
         if not 0.0 <= self.soft_feasibility <= 1.0:
             raise ValueError(f"soft_feasibility must be in [0, 1], got {self.soft_feasibility}")
+        if not (0 < self.bound_share <= 1):
+            raise ValueError(f"bound_share must be in (0, 1], got {self.bound_share}")
         if not (self.future_margin >= 1 and np.isfinite(self.future_margin)):
             raise ValueError(f"future_margin must be a finite number >= 1, got {self.future_margin}")
         if self.default_ttft <= 0 or self.default_tbt <= 0:

@@ -56,6 +56,13 @@ class StepTimeTracker:
             self._next += 1
             self._dirty = self._model_dirty = True
 
+    def record_run(self, durations: list[float], n_decode: int, prefill_tokens: int) -> None:
+        """Add steps that ran back to back with one plan (the simulator's macro-step): each step's period
+        is its own duration, as the plug-in would measure it between two steps of a busy engine. Only the
+        last ``window`` of them can stay in the window, so only those are recorded."""
+        for d in durations[-len(self._ring):]:
+            self.record(d, n_decode, prefill_tokens, d)
+
     @property
     def n_samples(self) -> int:
         """Steps in the window (at most ``window``)."""
@@ -66,8 +73,10 @@ class StepTimeTracker:
         ``Σ period / Σ (a + b·n_decode)`` over the window's steps with decodes and a known period. It
         covers the scheduler's own time between steps and the prefill chunks of other requests that
         lengthen the steps a request decodes in. Measured on the demo model at B = 16: 1.12 (a fitted
-        0.031 s per full-batch step against 0.035 s between steps); 1 where no period is recorded (the
-        simulator)."""
+        0.031 s per full-batch step against 0.035 s between steps); about 3 on the same engine under the
+        mixed workload at 6 requests/s, where prefill is two thirds of the model time. The simulator
+        records each step's duration as its period (its steps run back to back), so a policy sees the
+        same figure there as on the plug-in; 1 where no period is recorded."""
         self._fit()
         return self._wall
 
