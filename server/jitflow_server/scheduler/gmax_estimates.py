@@ -137,11 +137,11 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     n_speeds = v.shape[0]
     gen = snap.generated
     total = snap.len_bound
-    if prm.use_true_len:
-        total = np.where(np.isnan(snap.true_len), total, snap.true_len)
     share = prm.bound_share  # plan with a share of what the bound leaves (GMAXParams.bound_share)
     if prm.use_true_len:
-        share = np.where(np.isnan(snap.true_len), share, 1.0)  # a true length is planned whole
+        known = ~np.isnan(snap.true_len)
+        total = np.where(known, snap.true_len, total)
+        share = np.where(known, 1.0, share)  # a true length is planned whole
     len_rem = np.maximum(share * (total - gen), 1.0)
     if prm.overrun > 0 and not prm.use_true_len:
         # the bound was too low (the engine keeps generating): the remaining length is unknown
@@ -241,14 +241,12 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
             task_slack = np.where(has_task, task_dl - now - rem_future, stage_rem)
         budget = task_slack if prm.compound_feasibility == "task" else stage_rem
         g_ok = max_tgen <= budget + 1e-9  # (K, groups)
-        # feasible only with the later stages as the analyzer estimates them (GMAXParams.soft_feasibility)
-        doubtful = None
+        g_value = np.where(g_ok, g_tokens, 0.0)
         if prm.soft_feasibility > 0 and prm.future_margin > 1 and prm.compound_feasibility == "task":
+            # feasible only with the later stages as the analyzer estimates them (GMAXParams.soft_feasibility)
             with np.errstate(invalid="ignore"):
                 optimistic = np.where(has_task, task_dl - now - rem_later, stage_rem)
             doubtful = (max_tgen <= optimistic + 1e-9) & ~g_ok
-        g_value = np.where(g_ok, g_tokens, 0.0)
-        if doubtful is not None:
             g_value = np.where(doubtful, prm.soft_feasibility * g_tokens, g_value)
             g_ok = g_ok | doubtful
         rescue = prm.compound_admit == "member" and marginal is not None and snap.admit_by is not None
