@@ -93,6 +93,9 @@ def test_summarize_and_fidelity_diff():
 def test_baselines_get_frames_of_delta_steps():
     assert policy_params("las", 50) == {"delta_steps": 50}
     assert policy_params("gmax", 50) == {} and policy_params("fcfs", 50) == {}
+    assert policy_params("gmax", 50, {"future_margin": 2}) == {"future_margin": 2}
+    assert policy_params("las", 50, {"future_margin": 2}) == {"delta_steps": 50}
+    assert policy_params("fcfs", 50, {"future_margin": 2}) == {}
 
 
 def test_replays_use_their_own_task_ids():

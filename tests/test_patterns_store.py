@@ -155,3 +155,27 @@ def test_default_path_honours_the_environment(monkeypatch, tmp_path):
     assert default_db_path() == tmp_path / "x.sqlite"
     monkeypatch.delenv("JITFLOW_HISTORY_DB")
     assert default_db_path().name == "history.sqlite" and ".cache" in str(default_db_path())
+
+
+def test_every_cache_follows_jitflow_cache(monkeypatch, tmp_path):
+    """JITFLOW_CACHE moves every per-user file: the history, the length models, the demo's capacity
+    measurement and the simulator's trained predictors (a run with an empty cache must not read ~/.cache)."""
+    from jitflow_server.analyzer.length_io import default_model_path
+    from jitflow_server.bench.predictor_bounds import predictor_cache_path
+    from jitflow_server.demo.options import DemoOptions
+    from jitflow_server.engine.demo_model import default_cache_dir
+
+    for var in ("JITFLOW_HISTORY_DB", "JITFLOW_LENGTH_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("JITFLOW_CACHE", str(tmp_path))
+    opts = DemoOptions()
+    paths = [default_db_path(), default_model_path(), opts.capacity_cache, opts.model_cache, default_cache_dir(),
+             predictor_cache_path([], 0.9, _Counter(), {})]
+    for p in paths:
+        assert p.is_relative_to(tmp_path), p
+    monkeypatch.delenv("JITFLOW_CACHE")
+    assert not DemoOptions().capacity_cache.is_relative_to(tmp_path)
+
+
+class _Counter:
+    name = "words"

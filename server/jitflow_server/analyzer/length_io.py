@@ -33,11 +33,12 @@ class LengthModelError(Exception):
 
 
 def default_model_path() -> Path:
-    """Path of the default length model: ``$JITFLOW_LENGTH_MODEL`` or ``~/.cache/jitflow/models/length-qrf.pkl``."""
-    env = env_settings().length_model
-    if env is not None:
-        return env.expanduser()
-    return Path("~/.cache/jitflow/models/length-qrf.pkl").expanduser()
+    """Path of the default length model: ``$JITFLOW_LENGTH_MODEL`` or ``<JITFLOW_CACHE>/models/length-qrf.pkl``
+    (``~/.cache/jitflow/models/length-qrf.pkl``)."""
+    env = env_settings()
+    if env.length_model is not None:
+        return env.length_model.expanduser()
+    return env.cache_dir() / "models" / "length-qrf.pkl"
 
 
 def save_predictor(predictor: Any, path: str | os.PathLike[str]) -> Path:

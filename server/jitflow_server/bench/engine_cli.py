@@ -24,9 +24,12 @@ def _fmt(x, nd: int = 2) -> str:
     return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
-def policy_params(name: str, baseline_delta: int) -> dict:
-    """Parameters sent with a policy switch: baselines get frames of ``baseline_delta`` steps (as in the sim)."""
-    return {"delta_steps": baseline_delta} if name in ("edf", "sjf", "las", "sarathi") else {}
+def policy_params(name: str, baseline_delta: int, gmax_params: dict | None = None) -> dict:
+    """Parameters sent with a policy switch: baselines get frames of ``baseline_delta`` steps (as in the sim),
+    GMAX and its variants ``gmax_params`` (``--param``)."""
+    if name in ("edf", "sjf", "las", "sarathi"):
+        return {"delta_steps": baseline_delta}
+    return dict(gmax_params or {}) if name.startswith("gmax") else {}
 
 
 def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: float) -> tuple[list[str], dict]:
@@ -54,9 +57,10 @@ def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: f
 
 
 def run_engine_policies(srv, jobs: list, policies: list[str], waiting_time: float | None, seed: int,
-                        baseline_delta: int, console=None) -> dict:
+                        baseline_delta: int, console=None, gmax_params: dict | None = None) -> dict:
     """Run ``jobs`` once per policy on the running server ``srv`` (started with :func:`server_setup`);
-    returns ``{policy: {"metrics", "jobs", "stats", "errors", "wall_s", "steps"}}`` (metrics from
+    ``gmax_params`` go with every switch to a GMAX policy (:func:`policy_params`). Returns
+    ``{policy: {"metrics", "jobs", "stats", "errors", "wall_s", "steps"}}`` (metrics from
     :func:`jitflow_server.bench.metrics.summarize`; ``steps`` the engine's step log of the run,
     ``GET /v1/jitflow/engine/steps``)."""
     from rich.progress import Progress
@@ -67,7 +71,7 @@ def run_engine_policies(srv, jobs: list, policies: list[str], waiting_time: floa
     out: dict = {}
     span = (jobs[-1].arrival - jobs[0].arrival) if len(jobs) > 1 else 1.0
     for pol in policies:
-        srv.set_policy(pol, policy_params(pol, baseline_delta))
+        srv.set_policy(pol, policy_params(pol, baseline_delta, gmax_params))
         st0 = srv.stats()
         t0 = time.time()
         with Progress(transient=True) as prog:
@@ -192,15 +196,24 @@ def register(bench_app: typer.Typer) -> None:
         warmup: float = typer.Option(10.0, "--warmup", min=0.0, help="Seconds of unrecorded load (a different "
                                      "seed, first policy) before the measured runs, so the first policy does not "
                                      "run on a cold engine (0 = none)."),
+        param: list[str] = typer.Option([], "--param", help="GMAX parameter NAME=VALUE for every gmax policy of "
+                                        "the run (repeatable; docs/scheduling.md, 'Parameters')."),
     ) -> None:
         """Drive the real embedded vLLM engine with the mixed workload, one policy after another, through the
         server's own path (its task manager, compound advisor and length bounds)."""
         from rich.console import Console
 
         from jitflow_server.bench.real import BenchServer, EngineBenchError
-        from jitflow_server.serve import served_policies
+        from jitflow_server.scheduler import make_policy
+        from jitflow_server.serve import parse_params, served_policies
 
         pols, data_dir = common_setup(policies, data, tuple(served_policies()))
+        gmax_params = parse_params(param)
+        if gmax_params:
+            try:
+                make_policy("gmax", **gmax_params)
+            except (TypeError, ValueError) as e:
+                raise typer.BadParameter(str(e), param_hint="--param") from None
         pm, ds, jobs = workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
         try:
@@ -213,15 +226,18 @@ def register(bench_app: typer.Typer) -> None:
                     warm = make_workload(max(1, int(round(warmup * rps))), rps, data=ds, seed=seed + 1000,
                                          length_scale=length_scale, max_context=8000, tightness=tightness)
                     con.print(f"warm-up: {len(warm)} requests over {warmup:g} s (not recorded)")
-                    run_engine_policies(srv, warm, pols[:1], waiting_time or None, seed, baseline_delta)
-                runs = run_engine_policies(srv, jobs, pols, waiting_time or None, seed, baseline_delta, console=con)
+                    run_engine_policies(srv, warm, pols[:1], waiting_time or None, seed, baseline_delta,
+                                        gmax_params=gmax_params)
+                runs = run_engine_policies(srv, jobs, pols, waiting_time or None, seed, baseline_delta, console=con,
+                                           gmax_params=gmax_params)
         except EngineBenchError as e:
             con.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
         res = {"config": {"model": model, "policies": pols, "duration": duration, "rps": rps, "requests": len(jobs),
                           "batch_size": batch_size, "length_scale": length_scale, "waiting_time": waiting_time,
                           "tightness": tightness, "warmup": warmup, "analyzer_preset": pm.to_dict(),
-                          "baseline_delta": baseline_delta, "seed": seed, "data": ds.origin},
+                          "baseline_delta": baseline_delta, "seed": seed, "data": ds.origin,
+                          "gmax_params": gmax_params},
                "policies": runs}
         cmd = _command(f"jitflow bench engine --duration {duration} --rps {rps} --out {out}")
         (out / "results.json").write_text(json.dumps(_strip(res), indent=1))

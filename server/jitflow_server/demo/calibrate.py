@@ -11,7 +11,7 @@ the *capacity* is that rate over the demand, in load-scale units. The demo's nor
 0.7× capacity and its burst phase at 1.5×.
 
 Measurements are cached per machine (CPU model, core count, CPU flags that change kernel speed), model,
-dtype, batch size and vLLM version in ``~/.cache/jitflow/demo-capacity.json``.
+dtype, batch size and vLLM version in ``<JITFLOW_CACHE>/demo-capacity.json`` (``~/.cache/jitflow/demo-capacity.json``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from jitflow_server.demo.plan import BASE_MIX, BaseMix
+from jitflow_server.settings import env_settings
 
 #: Bump when the measurement changes meaning (old cache entries are then ignored).
 CALIBRATION_VERSION = 1
@@ -38,7 +39,13 @@ CALIBRATION_VERSION = 1
 #: 20 s. Nor from which calls the loop draws: drawing them evenly over their sizes (a low-discrepancy
 #: sequence) read 167-214 against 152-200 for independent draws, alternating on one server.
 CAPACITY_WARMUP_S = 6.0
-DEFAULT_CACHE = Path("~/.cache/jitflow/demo-capacity.json")
+
+
+def default_cache() -> Path:
+    """``<JITFLOW_CACHE>/demo-capacity.json`` (default ``~/.cache/jitflow/demo-capacity.json``), read now."""
+    return env_settings().cache_dir() / "demo-capacity.json"
+
+
 #: CPU flags that change the engine's speed (native bf16, AVX-512, AMX).
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
 
@@ -142,8 +149,10 @@ def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | Non
     return raw + "|" + hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 
-def load_cached(key: str, path: Path = DEFAULT_CACHE) -> Capacity | None:
-    """The cached measurement for ``key``, or None (missing or unreadable cache)."""
+def load_cached(key: str, path: Path | None = None) -> Capacity | None:
+    """The cached measurement for ``key`` in ``path`` (default :func:`default_cache`), or None (missing or
+    unreadable cache)."""
+    path = path if path is not None else default_cache()
     try:
         data = json.loads(path.expanduser().read_text())
         entry = data[key]
@@ -152,9 +161,10 @@ def load_cached(key: str, path: Path = DEFAULT_CACHE) -> Capacity | None:
         return None
 
 
-def save_cached(cap: Capacity, path: Path = DEFAULT_CACHE) -> None:
-    """Store ``cap`` under its key (other keys kept; a corrupt cache file is replaced)."""
-    path = path.expanduser()
+def save_cached(cap: Capacity, path: Path | None = None) -> None:
+    """Store ``cap`` under its key in ``path`` (default :func:`default_cache`; other keys kept, a corrupt
+    cache file is replaced)."""
+    path = (path if path is not None else default_cache()).expanduser()
     data: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
         data = json.loads(path.read_text())

@@ -16,8 +16,14 @@ from pathlib import Path
 
 from jitflow_server.bench.server_process import jitflow_command
 from jitflow_server.demo.plan import REPO_ROOT, DemoError
+from jitflow_server.settings import env_settings
 
-DEFAULT_DIR = Path("~/.cache/jitflow/models")
+
+def default_dir() -> Path:
+    """``<JITFLOW_CACHE>/models`` (default ``~/.cache/jitflow/models``), read now."""
+    return env_settings().cache_dir() / "models"
+
+
 #: Telemetry JSONL of the demo model's own requests (``jitflow serve --length-telemetry``), shipped so that
 #: the demo has a trained length model on a machine without the AlpacaEval data.
 SHIPPED_CORPUS = REPO_ROOT / "patterns" / "length" / "demo-telemetry.jsonl"
@@ -90,9 +96,10 @@ def training_sources(data_dir: Path | None) -> tuple[list[Path], str]:
                     f"{SHIPPED_CORPUS}")
 
 
-def model_path(sources: list[Path], cache_dir: Path = DEFAULT_DIR) -> Path:
-    """Cache file of the model trained on ``sources``: a SHA-256 over their bytes and the predictor's
-    feature and format versions."""
+def model_path(sources: list[Path], cache_dir: Path | None = None) -> Path:
+    """Cache file (in ``cache_dir``, default :func:`default_dir`) of the model trained on ``sources``: a
+    SHA-256 over their bytes and the predictor's feature and format versions."""
+    cache_dir = cache_dir if cache_dir is not None else default_dir()
     from jitflow_server.analyzer.length import FEATURE_VERSION, FORMAT_VERSION
 
     h = hashlib.sha256(f"f{FEATURE_VERSION}/m{FORMAT_VERSION}".encode())
@@ -101,7 +108,7 @@ def model_path(sources: list[Path], cache_dir: Path = DEFAULT_DIR) -> Path:
     return cache_dir.expanduser() / f"demo-length-qrf-{h.hexdigest()[:16]}.pkl"
 
 
-def start_length_model(data_dir: Path | None, log_path: Path, cache_dir: Path = DEFAULT_DIR) -> LengthModelJob:
+def start_length_model(data_dir: Path | None, log_path: Path, cache_dir: Path | None = None) -> LengthModelJob:
     """Reuse the cached model for this data, or start training it in a subprocess (call
     :meth:`LengthModelJob.wait` before starting the server that loads it).
 

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jitflow_server.demo.calibrate import DEFAULT_CACHE
-from jitflow_server.demo.length_model import DEFAULT_DIR
+from jitflow_server.demo.calibrate import default_cache
+from jitflow_server.demo.length_model import default_dir
 from jitflow_server.demo.plan import DemoConfig, Plan
 
 
@@ -88,8 +88,8 @@ class DemoOptions:
     patterns: list[Path] | None = None
     batch_size: int = 32
     startup_timeout: float = 300.0
-    capacity_cache: Path = DEFAULT_CACHE
-    model_cache: Path = DEFAULT_DIR
+    capacity_cache: Path = field(default_factory=default_cache)
+    model_cache: Path = field(default_factory=default_dir)
     params: list[str] = field(default_factory=list)
     scale_slos: bool = True
     together: bool = False

@@ -65,11 +65,11 @@ class HistoryStoreError(RuntimeError):
 
 
 def default_db_path() -> Path:
-    """``$JITFLOW_HISTORY_DB`` if set, else ``~/.cache/jitflow/history.sqlite``."""
-    env = env_settings().history_db
-    if env is not None:
-        return env.expanduser()
-    return Path.home() / ".cache" / "jitflow" / "history.sqlite"
+    """``$JITFLOW_HISTORY_DB`` if set, else ``<JITFLOW_CACHE>/history.sqlite`` (``~/.cache/jitflow/history.sqlite``)."""
+    env = env_settings()
+    if env.history_db is not None:
+        return env.history_db.expanduser()
+    return env.cache_dir() / "history.sqlite"
 
 
 @dataclass
