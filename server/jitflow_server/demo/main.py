@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -53,6 +54,7 @@ from jitflow_server.demo.report import build_report, print_comparison, print_sum
 from jitflow_server.demo.results import RunResult
 from jitflow_server.demo.runner import _import_examples, run_load
 from jitflow_server.demo.servers import (
+    analyzer_time_model,
     engine_state,
     generated_output_tokens,
     start_server,
@@ -60,6 +62,7 @@ from jitflow_server.demo.servers import (
     wait_idle,
     wait_length_model,
 )
+from jitflow_server.settings import env_settings
 
 #: Report format version (docs/quickstart.md describes the schema).
 REPORT_VERSION = 2
@@ -141,16 +144,32 @@ class _Run:
         self.phases: list[Phase] = []
         # the sides whose engines are warm (they ran the capacity measurement or its check)
         self.measured_on: set[str] = set()
+        # per jitflow side: the analyzer's time model its server was given (``launch``)
+        self.time_model: dict[str, dict[str, Any]] = {}
 
     def launch(self, k: int) -> ServerProcess:
+        """Start side ``k``'s server. A jitflow server started after the capacity measurement gets the
+        measured engine speed as its analyzer's time model (:func:`analyzer_time_model`), unless
+        ``JITFLOW_TIME_MODEL`` is set; one started before it (``--together``, or jitflow alone) or with
+        ``--capacity`` (nothing measured) keeps the built-in model, and the report says which
+        (``analyzer_time_model``)."""
         side = self.sides[k]
         if side.scheduler != "vllm" or k > 0:  # the length model trains while the first server starts
             wait_length_model(self.length, self.console)
+        tm = None
+        if side.scheduler != "vllm":
+            if env_settings().time_model.strip():
+                self.time_model[side.label] = {"source": "JITFLOW_TIME_MODEL"}
+            elif self.cap is not None and math.isfinite(self.cap.step_s) and self.cap.step_s > 0:  # not --capacity
+                tm = analyzer_time_model(self.cap.step_s)
+                self.time_model[side.label] = {**tm, "source": "measured"}
+            else:
+                self.time_model[side.label] = {"source": "built-in"}
         srv = self.servers[side.label] = start_server(
             side.label, side.serve_args(), model=self.opts.model, batch_size=self.opts.batch_size,
             startup_timeout=self.opts.startup_timeout, tmp=self.tmp, patterns=self.patterns,
             length=self.length if side.scheduler != "vllm" else None,
-            omp_cores=self.cores[k] if self.cores else None)
+            omp_cores=self.cores[k] if self.cores else None, time_model=tm)
         return srv
 
     def greet(self, side: Side, startup: float, clock: _Stopwatch) -> None:
@@ -341,6 +360,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         report["speed_probe_tbt_s"] = r.speed
         report["slo_factor"] = slo_factor(opts, r.cap)
         report["slo_reference_step_s"] = REFERENCE_STEP_S
+        report["analyzer_time_model"] = r.time_model
         report["speed_warning"], report["capacity_warning"] = speed_warning(r.speed), capacity_warning(r.cap, r.speed)
         report["wall_s"] = time.monotonic() - t_start
         report["timings_s"] = timings
