@@ -209,6 +209,8 @@ def register(bench_app: typer.Typer) -> None:
 
         pols, data_dir = common_setup(policies, data, tuple(served_policies()))
         gmax_params = parse_params(param)
+        if gmax_params and not any(p.startswith("gmax") for p in pols):
+            raise typer.BadParameter("sets GMAX parameters, but --policies has no gmax policy", param_hint="--param")
         if gmax_params:
             try:
                 make_policy("gmax", **gmax_params)

@@ -99,9 +99,9 @@ def training_sources(data_dir: Path | None) -> tuple[list[Path], str]:
 def model_path(sources: list[Path], cache_dir: Path | None = None) -> Path:
     """Cache file (in ``cache_dir``, default :func:`default_dir`) of the model trained on ``sources``: a
     SHA-256 over their bytes and the predictor's feature and format versions."""
-    cache_dir = cache_dir if cache_dir is not None else default_dir()
     from jitflow_server.analyzer.length import FEATURE_VERSION, FORMAT_VERSION
 
+    cache_dir = cache_dir if cache_dir is not None else default_dir()
     h = hashlib.sha256(f"f{FEATURE_VERSION}/m{FORMAT_VERSION}".encode())
     for f in sources:
         h.update(hashlib.sha256(f.read_bytes()).digest())

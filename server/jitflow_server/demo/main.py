@@ -165,6 +165,9 @@ class _Run:
                 self.time_model[side.label] = {**tm, "source": "measured"}
             else:
                 self.time_model[side.label] = {"source": "built-in"}
+            if tm is not None:
+                self.console.print(f"{side.label}: the analyzer plans with this engine's measured "
+                                   f"{tm['decode_s'] * 1e3:.0f} ms per decoded token (JITFLOW_TIME_MODEL)")
         srv = self.servers[side.label] = start_server(
             side.label, side.serve_args(), model=self.opts.model, batch_size=self.opts.batch_size,
             startup_timeout=self.opts.startup_timeout, tmp=self.tmp, patterns=self.patterns,

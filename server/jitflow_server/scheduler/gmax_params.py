@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 
@@ -239,7 +239,19 @@ class GMAXParams:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first invalid parameter."""
+        """Raise ``ValueError`` naming the first invalid parameter (a value of the wrong type included)."""
+        for f in fields(self):
+            default, v = f.default, getattr(self, f.name)
+            if default is MISSING or default is None:
+                continue
+            if isinstance(default, bool):
+                if not isinstance(v, (bool, np.bool_)):
+                    raise ValueError(f"{f.name} must be true or false, got {v!r}")
+                continue
+            if isinstance(default, (int, float)) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{f.name} must be a number, got {v!r}")
+            if isinstance(default, str) and not isinstance(v, str):
+                raise ValueError(f"{f.name} must be a string, got {v!r}")
         if self.delta_steps < 1:
             raise ValueError(f"delta_steps (Δ) must be >= 1, got {self.delta_steps}")
         if not 0.0 < self.p <= 1.0:
