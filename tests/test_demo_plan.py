@@ -201,11 +201,12 @@ def test_the_analyzer_plans_with_the_measured_engine_speed(monkeypatch):
     """The demo hands its jitflow server the speed it measured, in the form the server parses."""
     import math
 
-    from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, time_model_from_env
+    from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, time_model_env, time_model_from_env
     from jitflow_server.demo.servers import analyzer_time_model
 
     tm = analyzer_time_model(0.121)
-    monkeypatch.setenv("JITFLOW_TIME_MODEL", f"{tm['decode_s']!r},{tm['prefill_s']!r}")  # as start_server sets it
+    for k, v in time_model_env(tm["decode_s"], tm["prefill_s"]).items():  # as start_server sets it
+        monkeypatch.setenv(k, v)
     parsed = time_model_from_env()
     assert parsed.decode_s_per_token == 0.121
     ratio = DEFAULT_TIME_MODEL.prefill_s_per_token / DEFAULT_TIME_MODEL.decode_s_per_token

@@ -288,6 +288,12 @@ def remaining_time(
     return float(stage_times(g, time_model)[stage_index + 1 :].sum())
 
 
+def time_model_env(decode_s: float, prefill_s: float) -> dict[str, str]:
+    """The environment that gives a server's analyzer this time model (s per decode / prefill token):
+    ``{"JITFLOW_TIME_MODEL": "DECODE_S,PREFILL_S"}``, the form :func:`time_model_from_env` reads."""
+    return {"JITFLOW_TIME_MODEL": f"{decode_s!r},{prefill_s!r}"}
+
+
 def time_model_from_env() -> TokenTimeModel:
     """The sub-deadline time model: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds per
     decode / prefill token, e.g. the served engine's measured speed), else the default. Raises

@@ -40,6 +40,7 @@ def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: f
     ``JITFLOW_TIME_MODEL`` to the preset's decode/prefill seconds per token at batch ``batch_size``, so
     the server's compound advisor sees what the simulated one sees.
     """
+    from jitflow_server.analyzer.subdeadline import time_model_env
     from jitflow_server.bench.estimates import CompoundAnalyzer
     from jitflow_server.store.jsonl import write_jsonl
 
@@ -52,7 +53,7 @@ def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: f
     db = out / "history.sqlite"
     for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
         f.unlink(missing_ok=True)
-    env = {"JITFLOW_TIME_MODEL": f"{model_preset.decode_token_time(batch_size)!r},{model_preset.per_prefill_token_s!r}"}
+    env = time_model_env(model_preset.decode_token_time(batch_size), model_preset.per_prefill_token_s)
     return ["--history-db", str(db), "--patterns", str(hist)], env
 
 

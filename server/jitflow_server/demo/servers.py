@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, time_model_env
 from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 from jitflow_server.demo.length_model import LengthModelJob
 from jitflow_server.demo.plan import DemoError
@@ -27,8 +28,6 @@ def analyzer_time_model(step_s: float) -> dict[str, float]:
     shapes the sub-deadline shares; the decode time sets how long the analyzer expects a task's later
     stages to take, which GMAX weighs against the task's deadline). Raises ``ValueError`` unless
     ``step_s`` is finite and > 0."""
-    from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL
-
     if not (math.isfinite(step_s) and step_s > 0):
         raise ValueError(f"step_s must be finite and > 0, got {step_s!r}")
     ratio = DEFAULT_TIME_MODEL.prefill_s_per_token / DEFAULT_TIME_MODEL.decode_s_per_token
@@ -52,7 +51,7 @@ def start_server(label: str, serve_args: Sequence[str], *, model: str, batch_siz
     if omp_cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_cores
     if time_model is not None:
-        env["JITFLOW_TIME_MODEL"] = f"{time_model['decode_s']!r},{time_model['prefill_s']!r}"
+        env.update(time_model_env(time_model["decode_s"], time_model["prefill_s"]))
     srv = ServerProcess(jitflow_command("serve", *args), tmp / f"server-{label}.log", env=env,
                         startup_timeout=startup_timeout)
     srv.start()

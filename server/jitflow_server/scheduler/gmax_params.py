@@ -4,6 +4,7 @@ variant is configured with, validated on creation."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -248,7 +249,7 @@ class GMAXParams:
                 if not isinstance(v, (bool, np.bool_)):
                     raise ValueError(f"{f.name} must be true or false, got {v!r}")
                 continue
-            if isinstance(default, (int, float)) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            if isinstance(default, (int, float)) and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
                 raise ValueError(f"{f.name} must be a number, got {v!r}")
             if isinstance(default, str) and not isinstance(v, str):
                 raise ValueError(f"{f.name} must be a string, got {v!r}")
