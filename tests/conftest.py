@@ -58,6 +58,7 @@ def server_proc(tmp_path_factory):
     env["JITFLOW_TELEMETRY"] = str(tmp / "telemetry.jsonl")
     env["JITFLOW_LENGTH_TELEMETRY"] = str(tmp / "length.jsonl")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("JITFLOW_TIME_MODEL", None)  # the analyzer follows the engine's measured speed
     cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--policy", "gmax",
            "--batch-size", str(DEFAULT_BATCH), "--max-model-len", "4096", "--kv-cache-gib", "1"]
     with running_server(cmd, log, env) as (url, proc):

@@ -84,10 +84,32 @@ def test_promises_must_fit_on_b_slots_in_deadline_order():
 @pytest.mark.parametrize("bad", [None, [], {}, {**RATE.to_dict(), "base_s": float("nan")},
                                  {**RATE.to_dict(), "per_decode_s": -1.0}, {**RATE.to_dict(), "batch_size": 0},
                                  {**RATE.to_dict(), "wall_factor": 0.5},
-                                 {**RATE.to_dict(), "base_s": "fast"}])
+                                 {**RATE.to_dict(), "base_s": "fast"}, {**RATE.to_dict(), "decode_batch": 0},
+                                 {**RATE.to_dict(), "decode_batch": True}, {**RATE.to_dict(), "decode_batch": 2.5}])
 def test_a_malformed_rate_is_ignored(bad):
     assert ServiceRate.from_dict(bad) is None
     assert ServiceRate.from_dict(RATE.to_dict()) == RATE
+
+
+def test_a_rate_without_its_decode_batch_is_read():
+    """An engine that does not report ``decode_batch`` still gives deadline admission its rate."""
+    d = {k: v for k, v in dataclasses.replace(RATE, decode_batch=6).to_dict().items() if k != "decode_batch"}
+    assert ServiceRate.from_dict(d) == RATE and RATE.decode_batch is None
+    assert ServiceRate.from_dict({**d, "decode_batch": 6}).decode_batch == 6
+    assert ServiceRate.from_dict({**d, "speed": 1.0}) == RATE  # a field a newer engine adds is ignored
+
+
+def test_the_tracker_reports_the_batch_it_measured_at():
+    """``decode_batch`` is the 90th percentile of the decoding requests per step, at most B; steps with
+    only prefill do not count."""
+    tr = StepTimeTracker()
+    for i in range(100):
+        n = 2 if i < 85 else 6  # a light engine with a few busier steps
+        tr.record(0.02 + 0.005 * n, n, 0)
+        tr.record(0.05, 0, 400)
+    rate = tr.service_rate(32)
+    assert rate is not None and rate.decode_batch == 6
+    assert tr.service_rate(4).decode_batch == 4  # never above B
 
 
 def test_the_tracker_reports_a_rate_only_after_measuring():
@@ -194,4 +216,24 @@ def test_without_deadline_admission_the_request_starts_late_and_misses():
     with serve(eng, ServerSettings(deadline_admission=False)) as (url, state):
         r, _waited, _long = _queue_behind_a_long_request(url, deadline=2.0)
         assert r.status_code == 200 and r.json()["jitflow"]["slo_met"] is False
-        assert state.service is None and state.deadline_rejections == 0
+        assert state.deadline_rejections == 0  # the speed is still read, for the analyzer
+
+
+def test_the_analyzer_plans_with_the_speed_the_engine_reports(monkeypatch):
+    """Through the HTTP server: once the engine reports its step model, ``GET /v1/jitflow/engine`` shows
+    the analyzer's call-time model measured from it (the fake's 0.01 s steps), also with deadline admission
+    off; ``$JITFLOW_TIME_MODEL`` pins it."""
+    for settings in (ServerSettings(), ServerSettings(deadline_admission=False)):
+        with serve(FakeEngine(batch_size=2, step_s=0.01), settings) as (url, state):
+            t0 = time.time()
+            while (tm := httpx.get(url + "/v1/jitflow/engine").json()["analyzer"]["time_model"])["source"] != "measured":
+                assert time.time() - t0 < 10, tm
+                time.sleep(0.05)
+            assert tm["decode_s_per_token"] == pytest.approx(0.01)
+            assert state.tasks.advisor.time_model.decode_s_per_token == pytest.approx(0.01)
+    monkeypatch.setenv("JITFLOW_TIME_MODEL", "0.2,0.002")
+    with serve(FakeEngine(batch_size=2, step_s=0.01)) as (url, state):
+        _wait_for_rate(state)
+        time.sleep(0.1)  # a few polls after the rate was read
+        tm = httpx.get(url + "/v1/jitflow/engine").json()["analyzer"]["time_model"]
+        assert tm == {"decode_s_per_token": 0.2, "prefill_s_per_token": 0.002, "source": "JITFLOW_TIME_MODEL"}

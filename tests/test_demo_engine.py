@@ -129,6 +129,10 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path, together):
     # The burst phase offers more than the normal phase.
     n_normal, n_burst = (sum(report["phases"][i]["counts"].values()) for i in (0, 1))
     assert n_burst > n_normal
+    # the jitflow side's analyzer planned with its engine's measured speed (the stock side has none)
+    assert set(report["analyzer_time_model"]) == {"gmax"}
+    assert report["analyzer_time_model"]["gmax"]["source"] == "measured"
+    assert report["analyzer_time_model"]["gmax"]["decode_s_per_token"] > 0
     lp = report["length_predictor"]
     assert lp["used"] == "qrf" and lp["trained_this_run"] and lp["source"] == "shipped telemetry"
     assert lp["served"]["vllm"] is None and lp["served"]["gmax"]["model"] is True

@@ -195,23 +195,3 @@ def test_the_command_line_without_its_extras_names_the_install_line():
     ok = subprocess.run([sys.executable, "-c", "from jitflow_server.entry import missing; print(missing())"],
                         capture_output=True, text=True, timeout=60)
     assert ok.stdout.strip() == "[]"  # this environment has the extras
-
-
-def test_the_analyzer_plans_with_the_measured_engine_speed(monkeypatch):
-    """The demo hands its jitflow server the speed it measured, in the form the server parses."""
-    import math
-
-    from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, time_model_env, time_model_from_env
-    from jitflow_server.demo.servers import analyzer_time_model
-
-    tm = analyzer_time_model(0.121)
-    for k, v in time_model_env(tm["decode_s"], tm["prefill_s"]).items():  # as start_server sets it
-        monkeypatch.setenv(k, v)
-    parsed = time_model_from_env()
-    assert parsed.decode_s_per_token == 0.121
-    ratio = DEFAULT_TIME_MODEL.prefill_s_per_token / DEFAULT_TIME_MODEL.decode_s_per_token
-    assert math.isclose(parsed.prefill_s_per_token / parsed.decode_s_per_token, ratio)
-    assert parsed.decode_s_per_token != DEFAULT_TIME_MODEL.decode_s_per_token
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="step_s"):
-            analyzer_time_model(bad)

@@ -1,15 +1,18 @@
-"""φ(s) accumulated shares, the token time model, sub-deadlines and their fallbacks."""
+"""φ(s) accumulated shares, the call-time model, sub-deadlines and their fallbacks."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from jitflow_server.analyzer.matcher import Matcher
 from jitflow_server.analyzer.subdeadline import (
-    TokenTimeModel,
+    DEFAULT_TIME_MODEL,
+    CallTimeModel,
+    call_time_model_from_rate,
     remaining_time,
     share_formulations,
     stage_share,
@@ -27,7 +30,7 @@ def random_graph(rng: np.random.Generator, n_stages: int) -> PatternGraph:
 
 
 def test_token_time_model_gives_parallel_max_and_sequential_sum():
-    tm = TokenTimeModel(prefill_s_per_token=0.001, decode_s_per_token=0.01)
+    tm = CallTimeModel(prefill_s_per_token=0.001, decode_s_per_token=0.01)
     g = PatternGraph.from_stage_lengths("app", [[(100, 10)], [(200, 20), (1000, 5)], [(50, 50)]])
     t = stage_times(g, tm)
     assert t[0] == pytest.approx(0.1 + 0.1)
@@ -42,7 +45,7 @@ def test_recorded_times_take_precedence_over_the_token_model():
         CallNode("c", "tool", "t", duration=4.0, parents=["b"], stage=1),  # chained inside the stage
     ]
     g = PatternGraph.from_calls("app", calls)
-    assert list(stage_times(g, TokenTimeModel())) == pytest.approx([2.0, 7.0])
+    assert list(stage_times(g, CallTimeModel())) == pytest.approx([2.0, 7.0])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -60,7 +63,7 @@ def test_phi_is_monotone_and_reaches_one_at_the_last_stage(seed):
 
 def test_alternative_formulations_match_their_definitions():
     g = PatternGraph.from_stage_lengths("app", [[(0, 10)], [(0, 30)], [(0, 60)]])
-    f = share_formulations(g, TokenTimeModel(0.0, 1.0))
+    f = share_formulations(g, CallTimeModel(0.0, 1.0))
     assert list(f["accumulated"]) == pytest.approx([0.1, 0.4, 1.0])
     assert list(f["stage_over_total"]) == pytest.approx([0.1, 0.3, 0.6])
     assert list(f["stage_over_remaining"]) == pytest.approx([0.1, 30 / 90, 1.0])
@@ -89,7 +92,7 @@ def test_fallbacks_without_history():
     assert sub_deadline(None, 9, 10.0, 40.0, expected_stages=4) == pytest.approx(50.0)
     assert sub_deadline(None, 0, 10.0, 40.0) == pytest.approx(50.0)  # no depth estimate: no split
     g = PatternGraph.from_stage_lengths("app", [[(0, 0)], [(0, 0)]])
-    assert stage_share(g, 0, time_model=TokenTimeModel(0.0, 0.0)) == pytest.approx(0.5)  # zero-time graph
+    assert stage_share(g, 0, time_model=CallTimeModel(0.0, 0.0)) == pytest.approx(0.5)  # zero-time graph
 
 
 def test_invalid_arguments_raise():
@@ -105,16 +108,40 @@ def test_invalid_arguments_raise():
     with pytest.raises(TypeError):
         stage_share("graph", 0)
     with pytest.raises(ValueError):
-        TokenTimeModel(-1.0, 1.0)
+        CallTimeModel(-1.0, 1.0)
     with pytest.raises(ValueError):
-        TokenTimeModel.from_name("h100")
-    assert TokenTimeModel.from_name("1,20") == TokenTimeModel(0.001, 0.02)
-    assert TokenTimeModel.from_name("a100-8b") == TokenTimeModel.a100_8b()
+        CallTimeModel.from_name("h100")
+    assert CallTimeModel.from_name("1,20") == CallTimeModel(0.001, 0.02)
+    assert CallTimeModel.from_name("a100-8b") == CallTimeModel.a100_8b()
 
 
 def test_remaining_time_counts_only_later_stages():
-    tm = TokenTimeModel(0.0, 1.0)
+    tm = CallTimeModel(0.0, 1.0)
     g = PatternGraph.from_stage_lengths("app", [[(0, 1)], [(0, 2)], [(0, 3)]])
     assert remaining_time(g, 0, time_model=tm) == pytest.approx(5.0)
     assert remaining_time(g, 2, time_model=tm) == 0.0
     assert remaining_time(None, 0) == 0.0
+
+
+def test_the_call_time_model_follows_the_engines_measured_speed():
+    """The decode time is the fit's model execution at the batch the engine decoded at (not extrapolated to
+    B, no wall factor), floored at the fit's minimum step; the prefill time is the fit's, or the built-in
+    prefill/decode ratio when the fit has none; without ``decode_batch`` nothing is derived."""
+    from jitflow_server.scheduler.admission import ServiceRate
+
+    rate = ServiceRate(base_s=0.01, per_decode_s=0.002, per_prefill_token_s=0.0004, wall_factor=1.5,
+                       min_step_s=0.005, batch_size=32, decode_batch=8)
+    tm = call_time_model_from_rate(rate)
+    assert tm.decode_s_per_token == pytest.approx(0.01 + 0.002 * 8)  # at 8, not at B = 32, and no 1.5×
+    assert tm.prefill_s_per_token == pytest.approx(0.0004)
+    assert tm.tool_default_s == DEFAULT_TIME_MODEL.tool_default_s
+    no_prefill = call_time_model_from_rate(replace(rate, per_prefill_token_s=0.0))
+    ratio = DEFAULT_TIME_MODEL.prefill_s_per_token / DEFAULT_TIME_MODEL.decode_s_per_token
+    assert no_prefill.prefill_s_per_token == pytest.approx(0.026 * ratio)
+    floored = call_time_model_from_rate(replace(rate, base_s=0.0, per_decode_s=0.0))
+    assert floored.decode_s_per_token == pytest.approx(0.005)
+    assert call_time_model_from_rate(replace(rate, decode_batch=None)) is None
+    # a slower engine gives the later stages more time: remaining_time scales with the decode time
+    g = PatternGraph.from_stage_lengths("app", [[(0, 10)], [(0, 20)]])
+    slow = call_time_model_from_rate(replace(rate, per_decode_s=0.02))
+    assert remaining_time(g, 0, time_model=slow) == pytest.approx(20 * (0.01 + 0.02 * 8))

@@ -266,6 +266,27 @@ def test_deadline_admission_uses_the_engines_measured_speed(server_url):
     assert after["rejected"] >= adm["rejected"] + 1
 
 
+def test_the_analyzer_plans_with_the_engines_measured_speed(server_url):
+    """Once the plug-in reports its step model, the analyzer's call-time model is derived from it
+    (``call_time_model_from_rate``) instead of the built-in figures."""
+    from jitflow_server.analyzer.subdeadline import call_time_model_from_rate
+    from jitflow_server.scheduler.admission import ServiceRate
+
+    r = _post(server_url, {"model": "tiny", "messages": MSG, "max_tokens": 24, "ignore_eos": True})
+    assert r.status_code == 200
+    t0 = time.time()
+    while (st := httpx.get(server_url + "/v1/jitflow/engine").json())["analyzer"]["time_model"]["source"] != "measured":
+        assert time.time() - t0 < 10, st["analyzer"]
+        time.sleep(0.2)
+    rate = ServiceRate.from_dict(st["deadline_admission"]["rate"])
+    assert rate is not None and rate.decode_batch is not None and 1 <= rate.decode_batch <= rate.batch_size
+    tm = st["analyzer"]["time_model"]
+    expect = call_time_model_from_rate(rate)  # both read from the same poll of the engine
+    assert tm["decode_s_per_token"] == pytest.approx(expect.decode_s_per_token, rel=1e-9)
+    assert tm["prefill_s_per_token"] == pytest.approx(expect.prefill_s_per_token, rel=1e-9)
+    assert 0 < tm["prefill_s_per_token"] < tm["decode_s_per_token"]
+
+
 def test_what_vllm_refuses_is_a_400_naming_the_field(server_url):
     """Sampling settings that pass the API's schema but not vLLM's own checks are the client's error."""
     from jitflow_server.engine.protocol import GenerateRequest, InvalidRequestError

@@ -4,6 +4,7 @@ server-clock task starts, implicit tasks, conflicts, and the history written on 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -92,3 +93,38 @@ def test_implicit_tasks_are_closed_after_their_deadline_and_start_again_on_a_lat
     # the same id later is a new implicit task, not a 409
     again = _advise(mgr, TaskContext(task_id="imp", app="my-app"), "m", "r2", 5, 8, _timing("r2", deadline=9.0))
     assert mgr.get("imp").outcome is None and again.app == "my-app"
+
+
+def test_the_analyzer_follows_the_engine_speed_unless_pinned(tmp_path):
+    """A built-in time model is replaced by the engine's measured speed; one the operator gave is kept."""
+    from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, PINNED_TIME_MODEL, CallTimeModel
+    from jitflow_server.scheduler.admission import ServiceRate
+
+    rate = ServiceRate(base_s=0.02, per_decode_s=0.003, per_prefill_token_s=0.001, wall_factor=1.0,
+                       min_step_s=0.0, batch_size=16, decode_batch=16)
+    g = PatternGraph.from_stage_lengths("app", [[(100, 50)], [(100, 50)]])
+    m = TaskManager(tmp_path / "a.db")
+    try:
+        assert m.time_model_view()["source"] == "built-in"
+        m.advisor.mode = "oracle"  # advice from the task's own graph: only the time model matters
+        before = m.advisor.advise("app", None, 0, 0.0, 60.0, own_graph=g).task_rem_gen_time
+        assert before == pytest.approx(DEFAULT_TIME_MODEL.call_time(100, 50))
+        m.follow_engine_speed(dataclasses.replace(rate, decode_batch=None))  # not enough to go on
+        assert m.time_model_view()["source"] == "built-in"
+        m.follow_engine_speed(rate)
+        view = m.time_model_view()
+        assert view["source"] == "measured" and view["decode_s_per_token"] == pytest.approx(0.02 + 0.003 * 16)
+        after = m.advisor.advise("app", None, 0, 0.0, 60.0, own_graph=g).task_rem_gen_time
+        assert after == pytest.approx(100 * 0.001 + 50 * 0.068)  # the later stage at the measured speed
+    finally:
+        asyncio.run(m.close())
+    pinned = TaskManager(tmp_path / "b.db", time_model=CallTimeModel(0.001, 0.5), time_model_source=PINNED_TIME_MODEL)
+    try:
+        pinned.follow_engine_speed(rate)
+        assert pinned.time_model_view() == {"decode_s_per_token": 0.5, "prefill_s_per_token": 0.001,
+                                            "source": PINNED_TIME_MODEL}
+        assert pinned.advisor.time_model != DEFAULT_TIME_MODEL
+    finally:
+        asyncio.run(pinned.close())
+    with pytest.raises(ValueError, match="time_model_source"):
+        TaskManager(tmp_path / "c.db", time_model_source="guess")

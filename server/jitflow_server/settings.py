@@ -8,7 +8,7 @@
 | ``JITFLOW_TELEMETRY`` | per-call lengths of finished tasks are appended here (JSONL) | off |
 | ``JITFLOW_LENGTH_TELEMETRY`` | per-request prompt/length records for retraining the length model (JSONL) | off |
 | ``JITFLOW_LENGTH_MODEL`` | the trained length model | ``<cache>/models/length-qrf.pkl`` |
-| ``JITFLOW_TIME_MODEL`` | ``DECODE_S,PREFILL_S``: the sub-deadline time model (s per token) | built in |
+| ``JITFLOW_TIME_MODEL`` | ``DECODE_S,PREFILL_S``: pins the analyzer's call-time model (s per token) | the engine's measured speed |
 | ``JITFLOW_DTYPE`` | model dtype when ``--dtype auto`` | ``auto`` |
 | ``JITFLOW_OTEL_EXPORTER`` | ``console``, ``file:PATH`` or ``otlp``: export the server's spans | off |
 

@@ -39,7 +39,7 @@ from jitflow_server.analyzer.stage_length import (
 )
 from jitflow_server.analyzer.subdeadline import (
     DEFAULT_TIME_MODEL,
-    TokenTimeModel,
+    CallTimeModel,
     remaining_time,
     sub_deadline,
 )
@@ -118,7 +118,7 @@ class CompoundAdvisor:
     """
 
     def __init__(self, mode: str = "pattern", *, matcher_for: Callable[[str], Any] | None = None,
-                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL, stats: AppStats | None = None,
+                 time_model: CallTimeModel = DEFAULT_TIME_MODEL, stats: AppStats | None = None,
                  bound_top_k: int = STAGE_TOP_K, quantile: float = DEFAULT_QUANTILE) -> None:
         if mode not in ADVISOR_MODES:
             raise ValueError(f"advisor mode must be one of {ADVISOR_MODES}, got {mode!r}")

@@ -40,7 +40,7 @@ import numpy as np
 from jitflow_server.store.graph import PatternGraph
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jitflow_server.analyzer.subdeadline import TokenTimeModel
+    from jitflow_server.analyzer.subdeadline import CallTimeModel
     from jitflow_server.store.history import HistoryStore
 
 __all__ = ["Match", "Matcher", "KernelParams", "PackedGraphs", "pack_graphs", "pairwise_distances", "similarity"]
@@ -93,7 +93,7 @@ class Match:
     n_searched: int = 0
     neighbours: list[tuple[PatternGraph, int, float]] = field(default_factory=list)
 
-    def shares(self, time_model: TokenTimeModel | None = None) -> list[float]:
+    def shares(self, time_model: CallTimeModel | None = None) -> list[float]:
         """φ(0..S-1) estimated from this match.
 
         With one neighbour: φ of the matched graph (JITServe §4.1,

@@ -7,7 +7,7 @@ Used by ``jitflow analyzer eval-patterns``. Protocol (documented in ``docs/analy
   replayed stage by stage: before stage ``k`` runs (``k`` stages observed, stage ``k``'s
   calls issued with their input lengths and identities, outputs unknown) the partial
   graph is matched and the matched graph's ratios for stage ``k`` are compared with the
-  test task's own ratios (both under the same :class:`TokenTimeModel`).
+  test task's own ratios (both under the same :class:`CallTimeModel`).
 * Relative error ``|est - true| / true`` of
 
   - ``accumulated``: φ(k) = t_{≤k}/t_total (ours, JITServe §4.1),
@@ -40,7 +40,7 @@ import numpy as np
 
 from jitflow_server.analyzer.clustering import cluster_history
 from jitflow_server.analyzer.matcher import Matcher
-from jitflow_server.analyzer.subdeadline import TokenTimeModel, share_formulations
+from jitflow_server.analyzer.subdeadline import CallTimeModel, share_formulations
 from jitflow_server.store.graph import CallNode, PatternGraph
 from jitflow_server.store.history import HistoryStore
 
@@ -86,7 +86,7 @@ def _queries(test: Sequence[PatternGraph]) -> list[tuple[int, int]]:
 def replay(
     matcher: Matcher,
     test: Sequence[PatternGraph],
-    time_model: TokenTimeModel,
+    time_model: CallTimeModel,
     *,
     expected_stages: int | None = None,
     strategy: str | None = None,
@@ -194,7 +194,7 @@ def evaluate(
     history: Sequence[PatternGraph],
     test: Sequence[PatternGraph],
     *,
-    time_model: TokenTimeModel,
+    time_model: CallTimeModel,
     sizes: Sequence[int] = DEFAULT_SIZES,
     jitter: float = 0.15,
     seed: int = 0,

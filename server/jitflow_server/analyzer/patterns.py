@@ -39,7 +39,7 @@ def load_deepresearch(
 
     Each record ``{"request_id", "stages": [{"stage_number", "requests": [{"input_tokens",
     "output_tokens", ...}]}]}`` becomes a token-only graph (no times: stage times come from
-    :class:`~jitflow_server.analyzer.subdeadline.TokenTimeModel`). Every call is an LLM call
+    :class:`~jitflow_server.analyzer.subdeadline.CallTimeModel`). Every call is an LLM call
     to ``model``; calls of a stage depend on all calls of the previous stage.
 
     Args:

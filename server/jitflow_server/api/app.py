@@ -3,7 +3,8 @@
 ``create_app(engine, settings)`` builds a FastAPI app around any :class:`~jitflow_server.engine.protocol.Engine`
 (the vLLM engine in ``jitflow serve``, a fake one in unit tests). With ``owns_engine=True`` the app's
 lifespan starts and stops the engine. The lifespan also owns the task manager, the length service and
-the one background task that pushes refined length bounds to the scheduler.
+the background tasks: pushing refined length bounds to the scheduler, closing finished implicit tasks,
+and reading the engine's measured speed (deadline admission, the analyzer's call-time model).
 Requests not admitted within their ``waiting_time`` get HTTP 429 ``admission_rejected`` (JITServe §5).
 """
 
@@ -118,9 +119,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, owns_e
         if settings.length_predictor:
             state.attach_length_service(await asyncio.to_thread(_length_service, state))
         background = [asyncio.create_task(state.push_bounds(), name="push-length-bounds"),
-                      asyncio.create_task(close_implicit_tasks(state), name="close-implicit-tasks")]
-        if settings.deadline_admission:
-            background.append(asyncio.create_task(state.poll_service(), name="poll-engine-speed"))
+                      asyncio.create_task(close_implicit_tasks(state), name="close-implicit-tasks"),
+                      asyncio.create_task(state.poll_service(), name="poll-engine-speed")]
         try:
             yield
         finally:

@@ -43,7 +43,7 @@ class ServerSettings:
     tenants and scopes (empty: no authentication, ``api/auth.py``); ``deadline_admission``: hold
     E2EL-deadline requests to their latest feasible start (``scheduler/admission.py``), with the service
     time estimate multiplied by ``admission_safety``; ``service_poll_period``: how often the engine's
-    measured speed is read for it (s); ``analyzer_budget``: the longest a compound call waits for its
+    measured speed is read for it and for the analyzer's call-time model (s); ``analyzer_budget``: the longest a compound call waits for its
     pattern match (s, ``analyzer/budget.py``).
     """
 
@@ -145,11 +145,15 @@ class ServerState:
 
     async def poll_service(self) -> None:
         """Background task (owned by the app's lifespan): keep :attr:`service` current from the engine's
-        stats every ``service_poll_period`` s. An engine that reports no step model (stock vLLM, a fake
-        stepped by hand, a plug-in before its first 8 steps) leaves it ``None``: no deadline admission."""
+        stats every ``service_poll_period`` s, for deadline admission and for the analyzer's call-time
+        model (:meth:`~jitflow_server.api.tasks.TaskManager.follow_engine_speed`). An engine that reports
+        no step model (stock vLLM, a fake stepped by hand, a plug-in before its first 8 steps) leaves it
+        ``None``: no deadline admission, and the analyzer keeps its time model."""
         while True:
             try:
                 self.service = ServiceRate.from_dict((await self.engine.stats()).get("service"))
+                if self.service is not None and self.tasks is not None:
+                    self.tasks.follow_engine_speed(self.service)
             except Exception:
                 logger.debug("engine stats failed", exc_info=True)
             await asyncio.sleep(self.settings.service_poll_period)
@@ -195,5 +199,6 @@ class ServerState:
                                        **self.length.stats}
         if self.tasks is not None:
             b = self.tasks.budgeted
-            out["analyzer"] = {"budget_s": b.budget, "pending": b.pending, **b.stats}
+            out["analyzer"] = {"budget_s": b.budget, "pending": b.pending, **b.stats,
+                               "time_model": self.tasks.time_model_view()}
         return out

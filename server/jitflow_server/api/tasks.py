@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,13 @@ from fastapi import FastAPI, Request
 
 from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
 from jitflow_server.analyzer.budget import DEFAULT_ANALYZER_BUDGET, DEFAULT_ANALYZER_QUEUE, BudgetedAdvisor
-from jitflow_server.analyzer.stage_length import StageLengthSamples
-from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, TokenTimeModel, time_model_from_env
+from jitflow_server.analyzer.subdeadline import (
+    DEFAULT_TIME_MODEL,
+    PINNED_TIME_MODEL,
+    CallTimeModel,
+    call_time_model_from_rate,
+    time_model_from_env,
+)
 from jitflow_server.api.auth import request_tenant, tenants
 from jitflow_server.api.schemas import APIError
 from jitflow_server.api.task_bodies import (  # noqa: F401  (re-exported: the endpoints' bodies)
@@ -51,37 +55,13 @@ from jitflow_server.api.task_bodies import (  # noqa: F401  (re-exported: the en
     TaskCreate,
     TaskEvents,
 )
+from jitflow_server.api.task_state import CallAdvice, TaskNode, TaskState, tenant_key
+from jitflow_server.scheduler.admission import ServiceRate
 from jitflow_server.scheduler.types import Kind, SLOSpec
 from jitflow_server.settings import env_settings
 
 logger = logging.getLogger("jitflow.tasks")
 
-
-
-@dataclass(frozen=True)
-class CallAdvice:
-    """What the task manager tells the API about one compound call (unix s, tokens).
-
-    ``slo``: the call's SLO (kind compound, the time left until the task deadline); ``sub_deadline``:
-    the stage's absolute sub-deadline; ``task_tokens_est``/``task_rem_gen_time``: task estimates of
-    the matched graph (``None``/fallback without a match); ``len_bound``: the matched stages' length
-    bound, calibrated and capped at ``max_tokens`` (``None`` without a match); ``len_samples``: what the
-    bound is refined from while the call runs (``None`` without a match); ``stage_pos``: the stage's
-    position among the task's stages (the key of the stage calibrator); ``analyzer``: ``"ok"``, or why
-    the call got the fallback advice (``analyzer/budget.py``).
-    """
-
-    slo: SLOSpec
-    app: str
-    task_id: str
-    stage_index: int
-    sub_deadline: float
-    task_tokens_est: int | None
-    task_rem_gen_time: float
-    len_bound: int | None
-    len_samples: StageLengthSamples | None = None
-    stage_pos: int = 0
-    analyzer: str = "ok"
 
 
 def _with_client_start(body: TaskCreate) -> dict[str, Any]:
@@ -90,77 +70,6 @@ def _with_client_start(body: TaskCreate) -> dict[str, Any]:
     if body.start_time is not None:
         meta.setdefault("client_start_time", body.start_time)
     return meta
-
-
-@dataclass
-class _Node:
-    call_id: str
-    kind: str  # llm | tool
-    name: str
-    stage: int
-    parents: list[str]
-    input_len: int = 0
-    output_len: int | None = None
-    start: float | None = None
-    end: float | None = None
-    error: str | None = None
-    request_id: str | None = None
-
-
-def tenant_key(tenant: str, name: str) -> str:
-    """The internal name of a task id or application name of ``tenant`` (``tenant/name``; unchanged for
-    the default tenant ``""``). Tenant names cannot contain ``/`` (``api/auth.py``), so keys never collide."""
-    return f"{tenant}/{name}" if tenant else name
-
-
-@dataclass
-class TaskState:
-    """Server-side state of one compound task (times are unix seconds)."""
-
-    task_id: str
-    app: str
-    deadline: float  # D, seconds
-    t0: float
-    metadata: dict[str, Any] = field(default_factory=dict)
-    nodes: dict[str, _Node] = field(default_factory=dict)
-    stage_names: dict[int, str] = field(default_factory=dict)
-    sub_deadlines: dict[int, float] = field(default_factory=dict)
-    stage_times: dict[int, dict[str, float]] = field(default_factory=dict)
-    matched: dict[str, Any] | None = None
-    outcome: str | None = None
-    error: str | None = None
-    end_time: float | None = None
-    implicit: bool = False
-    auto_closed: bool = False  # an implicit task the server completed (close_implicit)
-    stored_graph_id: int | None = None
-    tenant: str = ""
-
-    @property
-    def public_app(self) -> str:
-        """The application name as the tenant sent it (``app`` is kept as ``tenant/app`` internally)."""
-        return self.app[len(self.tenant) + 1:] if self.tenant and self.app.startswith(self.tenant + "/") else self.app
-
-    def view(self) -> dict:
-        """JSON view for ``GET /v1/tasks/{id}``."""
-        stages = []
-        by_stage: dict[int, list[_Node]] = {}
-        for n in self.nodes.values():  # one pass: the view is linear in the task's calls
-            by_stage.setdefault(n.stage, []).append(n)
-        for s in sorted(set(self.stage_names) | set(by_stage) | set(self.sub_deadlines)):
-            calls = [
-                {"call_id": n.call_id, "kind": n.kind, "name": n.name, "parents": n.parents,
-                 "input_tokens": n.input_len, "output_tokens": n.output_len, "start": n.start, "end": n.end,
-                 "error": n.error, "request_id": n.request_id}
-                for n in by_stage.get(s, [])
-            ]
-            ends = [c["end"] for c in calls if c["end"] is not None]
-            stages.append({"index": s, "name": self.stage_names.get(s), "sub_deadline": self.sub_deadlines.get(s),
-                           "end": max(ends) if ends else None, "calls": calls,
-                           **self.stage_times.get(s, {})})
-        return {"task_id": self.task_id, "app": self.public_app, "deadline": self.deadline, "start_time": self.t0,
-                "absolute_deadline": self.t0 + self.deadline, "outcome": self.outcome, "error": self.error,
-                "end_time": self.end_time, "metadata": self.metadata, "stages": stages, "matched": self.matched,
-                "stored_graph_id": self.stored_graph_id, "implicit": self.implicit}
 
 
 class TaskManager:
@@ -176,16 +85,22 @@ class TaskManager:
             as initial history (its applications are ``tenant/app`` in the store).
         analyzer_budget, analyzer_queue: the pattern match's time budget (s) and queue
             (:class:`~jitflow_server.analyzer.budget.BudgetedAdvisor`, which :attr:`budgeted` is).
-    Raises ``ValueError`` for an invalid budget or queue.
+        time_model, time_model_source: the analyzer's call-time model to start with and where it comes
+            from: ``"built-in"`` (replaced by the engine's measured speed as soon as the engine reports it,
+            :meth:`follow_engine_speed`) or :data:`PINNED_TIME_MODEL` (given by the operator, kept).
+    Raises ``ValueError`` for an invalid budget or queue, or an unknown ``time_model_source``.
     """
 
     def __init__(self, db_path: str | Path | None = None, patterns: list[Path] | None = None,
                  telemetry_path: Path | None = None, max_tasks: int = 10_000,
-                 time_model: TokenTimeModel = DEFAULT_TIME_MODEL, tenants: list[str] | None = None,
+                 time_model: CallTimeModel = DEFAULT_TIME_MODEL, tenants: list[str] | None = None,
                  analyzer_budget: float = DEFAULT_ANALYZER_BUDGET,
-                 analyzer_queue: int = DEFAULT_ANALYZER_QUEUE) -> None:
+                 analyzer_queue: int = DEFAULT_ANALYZER_QUEUE, time_model_source: str = "built-in") -> None:
         from jitflow_server.analyzer.matcher import Matcher
         from jitflow_server.store.history import HistoryStore, default_db_path
+
+        if time_model_source not in ("built-in", PINNED_TIME_MODEL):
+            raise ValueError(f"time_model_source must be 'built-in' or {PINNED_TIME_MODEL!r}, got {time_model_source!r}")
 
         self.db_path = Path(db_path) if db_path else default_db_path()
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,9 +111,33 @@ class TaskManager:
         self.advisor = CompoundAdvisor("pattern", matcher_for=lambda app: self.matcher, time_model=time_model,
                                        stats=AppStats(typical_stages=self.store.typical_stages))
         self.budgeted = BudgetedAdvisor(self.advisor, analyzer_budget, analyzer_queue)
+        #: where the advisor's call-time model comes from: "built-in", "measured" (the engine's speed,
+        #: :meth:`follow_engine_speed`) or PINNED_TIME_MODEL
+        self.time_model_source = time_model_source
         self.tasks: dict[str, TaskState] = {}
         self.max_tasks = max_tasks
         self.telemetry_path = telemetry_path
+
+    def follow_engine_speed(self, rate: ServiceRate) -> None:
+        """Plan sub-deadlines and the later stages' time with the engine's measured speed ``rate``
+        (:func:`~jitflow_server.analyzer.subdeadline.call_time_model_from_rate`) from now on, unless the
+        time model was pinned (``$JITFLOW_TIME_MODEL``) or ``rate`` does not say at which batch it was
+        measured. The built-in model is one machine's figures (the demo model on a 2-core CPU); another
+        engine can be several times faster or slower, which shifts the shares between LLM and tool stages
+        and how long GMAX expects a task's remaining stages to take."""
+        if self.time_model_source == PINNED_TIME_MODEL:
+            return
+        tm = call_time_model_from_rate(rate)
+        if tm is not None:
+            self.advisor.time_model = tm  # one attribute, read whole by the analyzer thread
+            self.time_model_source = "measured"
+
+    def time_model_view(self) -> dict[str, Any]:
+        """The analyzer's call-time model for ``GET /v1/jitflow/engine``: seconds per decode and prefill
+        token and ``source`` (``built-in``, ``measured`` or ``JITFLOW_TIME_MODEL``)."""
+        tm = self.advisor.time_model
+        return {"decode_s_per_token": tm.decode_s_per_token, "prefill_s_per_token": tm.prefill_s_per_token,
+                "source": self.time_model_source}
 
     def _import(self, paths: list[Path], tenants: list[str]) -> None:
         import copy
@@ -294,7 +233,7 @@ class TaskManager:
                     t.stage_times.setdefault(s, {})[ev.type] = ev.time
                 continue
             cid = ev.call_id or f"{ev.type}-{len(t.nodes)}"
-            node = t.nodes.get(cid) or _Node(cid, ev.type, ev.name or ev.model or ev.type, s, list(ev.parents))
+            node = t.nodes.get(cid) or TaskNode(cid, ev.type, ev.name or ev.model or ev.type, s, list(ev.parents))
             node.start = ev.start if ev.start is not None else node.start
             node.end = ev.end if ev.end is not None else node.end
             node.error = ev.error or node.error
@@ -407,7 +346,7 @@ class TaskManager:
         if ctx.stage:
             t.stage_names.setdefault(s, ctx.stage)
         cid = ctx.call_id or rid
-        t.nodes[cid] = _Node(cid, "llm", model, s, list(ctx.parents), prompt_tokens, None, now, request_id=rid)
+        t.nodes[cid] = TaskNode(cid, "llm", model, s, list(ctx.parents), prompt_tokens, None, now, request_id=rid)
         stage_pos = sorted({n.stage for n in t.nodes.values()}).index(s)
         advice, analyzer = await self.budgeted.advise(t.app, self._graph(t), stage_pos, t.t0, t.deadline)
         t.sub_deadlines[s] = advice.sub_deadline
@@ -461,8 +400,10 @@ async def attach_tasks(app: FastAPI, state) -> None:
     ``$JITFLOW_TIME_MODEL``) and attach it to ``state``."""
     env = env_settings()
     tm = time_model_from_env()
+    source = PINNED_TIME_MODEL if env.time_model.strip() else "built-in"
     state.tasks = await asyncio.to_thread(TaskManager, None, env.pattern_files(), env.telemetry, 10_000, tm,
-                                          tenants(state.settings.api_keys), state.settings.analyzer_budget)
+                                          tenants(state.settings.api_keys), state.settings.analyzer_budget,
+                                          time_model_source=source)
 
 
 def register_task_routes(app: FastAPI, state) -> None:

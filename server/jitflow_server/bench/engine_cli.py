@@ -32,14 +32,24 @@ def policy_params(name: str, baseline_delta: int, gmax_params: dict | None = Non
     return dict(gmax_params or {}) if name.startswith("gmax") else {}
 
 
-def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: float) -> tuple[list[str], dict]:
+#: Where the real server's analyzer gets its call-time model in ``bench engine``: the preset (as the
+#: simulator's analyzer) or the engine's measured speed (as ``jitflow serve``).
+ANALYZER_SPEEDS = ("preset", "engine")
+
+
+def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: float,
+                 analyzer_speed: str = "preset") -> tuple[list[str], dict]:
     """CLI arguments and environment that give ``jitflow serve`` the analyzer inputs of the simulator.
 
     Writes the apps' history graphs (the deep-research history half, scaled like the workload) to
-    ``out/history.jsonl`` for ``--patterns``, a fresh ``out/history.sqlite`` store, and sets
-    ``JITFLOW_TIME_MODEL`` to the preset's decode/prefill seconds per token at batch ``batch_size``, so
-    the server's compound advisor sees what the simulated one sees.
+    ``out/history.jsonl`` for ``--patterns``, a fresh ``out/history.sqlite`` store, and with
+    ``analyzer_speed="preset"`` sets ``JITFLOW_TIME_MODEL`` to the preset's decode/prefill seconds per
+    token at batch ``batch_size``, so the server's compound advisor sees what the simulated one sees;
+    with ``"engine"`` the server's analyzer follows its engine's measured speed, as ``jitflow serve`` does.
+    Raises ``ValueError`` for another ``analyzer_speed``.
     """
+    if analyzer_speed not in ANALYZER_SPEEDS:
+        raise ValueError(f"analyzer_speed must be one of {ANALYZER_SPEEDS}, got {analyzer_speed!r}")
     from jitflow_server.analyzer.subdeadline import time_model_env
     from jitflow_server.bench.estimates import CompoundAnalyzer
     from jitflow_server.store.jsonl import write_jsonl
@@ -53,7 +63,8 @@ def server_setup(out: Path, data, model_preset, batch_size: int, length_scale: f
     db = out / "history.sqlite"
     for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
         f.unlink(missing_ok=True)
-    env = time_model_env(model_preset.decode_token_time(batch_size), model_preset.per_prefill_token_s)
+    env = (time_model_env(model_preset.decode_token_time(batch_size), model_preset.per_prefill_token_s)
+           if analyzer_speed == "preset" else {})
     return ["--history-db", str(db), "--patterns", str(hist)], env
 
 
@@ -199,6 +210,9 @@ def register(bench_app: typer.Typer) -> None:
                                      "run on a cold engine (0 = none)."),
         param: list[str] = typer.Option([], "--param", help="GMAX parameter NAME=VALUE for every gmax policy of "
                                         "the run (repeatable; docs/scheduling.md, 'Parameters')."),
+        analyzer_speed: str = typer.Option("preset", "--analyzer-speed", help="The analyzer's call-time model: "
+                                           "'preset' (the preset's step model, as in the simulator) or 'engine' "
+                                           "(the engine's measured speed, as jitflow serve does)."),
     ) -> None:
         """Drive the real embedded vLLM engine with the mixed workload, one policy after another, through the
         server's own path (its task manager, compound advisor and length bounds)."""
@@ -209,6 +223,9 @@ def register(bench_app: typer.Typer) -> None:
         from jitflow_server.serve import parse_params, served_policies
 
         pols, data_dir = common_setup(policies, data, tuple(served_policies()))
+        if analyzer_speed not in ANALYZER_SPEEDS:
+            raise typer.BadParameter(f"must be one of {', '.join(ANALYZER_SPEEDS)}, got {analyzer_speed!r}",
+                                     param_hint="--analyzer-speed")
         gmax_params = parse_params(param)
         if gmax_params and not any(p.startswith("gmax") for p in pols):
             raise typer.BadParameter("sets GMAX parameters, but --policies has no gmax policy", param_hint="--param")
@@ -220,7 +237,7 @@ def register(bench_app: typer.Typer) -> None:
         pm, ds, jobs = workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
         try:
-            args, env = server_setup(out, ds, pm, batch_size, length_scale)
+            args, env = server_setup(out, ds, pm, batch_size, length_scale, analyzer_speed)
             with BenchServer(model, pols[0], batch_size, port, args, log_path=out / "server.log", env=env) as srv:
                 con.print(f"server up at {srv.base_url}")
                 if warmup > 0:
@@ -240,7 +257,7 @@ def register(bench_app: typer.Typer) -> None:
                           "batch_size": batch_size, "length_scale": length_scale, "waiting_time": waiting_time,
                           "tightness": tightness, "warmup": warmup, "analyzer_preset": pm.to_dict(),
                           "baseline_delta": baseline_delta, "seed": seed, "data": ds.origin,
-                          "gmax_params": gmax_params},
+                          "gmax_params": gmax_params, "analyzer_speed": analyzer_speed},
                "policies": runs}
         cmd = _command(f"jitflow bench engine --duration {duration} --rps {rps} --out {out}")
         (out / "results.json").write_text(json.dumps(_strip(res), indent=1))

@@ -109,7 +109,7 @@ class CompoundAnalyzer:
         mode: ``pattern`` | ``oracle`` | ``none`` (:data:`ANALYZER_MODES`).
         data: data sources (the deep-research history half).
         decode_s, prefill_s: per-token decode and prefill seconds of the
-            :class:`~jitflow_server.analyzer.subdeadline.TokenTimeModel` (from the engine preset).
+            :class:`~jitflow_server.analyzer.subdeadline.CallTimeModel` (from the engine preset).
         length_scale: scale of the workload lengths (history is scaled the same way).
     Raises ``ValueError`` for an unknown mode.
     """
@@ -118,13 +118,13 @@ class CompoundAnalyzer:
                  length_scale: float = 1.0, apps: tuple[str, ...] = ("deep-research", "tot")) -> None:
         from jitflow_server.analyzer.advisor import AppStats, CompoundAdvisor
         from jitflow_server.analyzer.matcher import Matcher
-        from jitflow_server.analyzer.subdeadline import TokenTimeModel, stage_times
+        from jitflow_server.analyzer.subdeadline import CallTimeModel, stage_times
         from jitflow_server.store.graph import PatternGraph
 
         if mode not in ANALYZER_MODES:
             raise ValueError(f"analyzer mode must be one of {ANALYZER_MODES}, got {mode!r}")
         self.mode = mode
-        tm = TokenTimeModel(prefill_s_per_token=prefill_s, decode_s_per_token=decode_s)
+        tm = CallTimeModel(prefill_s_per_token=prefill_s, decode_s_per_token=decode_s)
         self._PG = PatternGraph
         self.history: dict[str, list] = {}
         matchers: dict[str, Matcher] = {}

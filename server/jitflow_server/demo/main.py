@@ -23,7 +23,6 @@ import concurrent.futures
 import contextlib
 import functools
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -54,7 +53,6 @@ from jitflow_server.demo.report import build_report, print_comparison, print_sum
 from jitflow_server.demo.results import RunResult
 from jitflow_server.demo.runner import _import_examples, run_load
 from jitflow_server.demo.servers import (
-    analyzer_time_model,
     engine_state,
     generated_output_tokens,
     start_server,
@@ -62,7 +60,6 @@ from jitflow_server.demo.servers import (
     wait_idle,
     wait_length_model,
 )
-from jitflow_server.settings import env_settings
 
 #: Report format version (docs/quickstart.md describes the schema).
 REPORT_VERSION = 2
@@ -144,35 +141,20 @@ class _Run:
         self.phases: list[Phase] = []
         # the sides whose engines are warm (they ran the capacity measurement or its check)
         self.measured_on: set[str] = set()
-        # per jitflow side: the analyzer's time model its server was given (``launch``)
+        # per jitflow side: the analyzer's call-time model after its last phase (``probe``)
         self.time_model: dict[str, dict[str, Any]] = {}
 
     def launch(self, k: int) -> ServerProcess:
-        """Start side ``k``'s server. A jitflow server started after the capacity measurement gets the
-        measured engine speed as its analyzer's time model (:func:`analyzer_time_model`), unless
-        ``JITFLOW_TIME_MODEL`` is set; one started before it (``--together``, or jitflow alone) or with
-        ``--capacity`` (nothing measured) keeps the built-in model, and the report says which
-        (``analyzer_time_model``)."""
+        """Start side ``k``'s server (a jitflow server's analyzer follows its engine's measured speed, or
+        ``JITFLOW_TIME_MODEL`` when set)."""
         side = self.sides[k]
         if side.scheduler != "vllm" or k > 0:  # the length model trains while the first server starts
             wait_length_model(self.length, self.console)
-        tm = None
-        if side.scheduler != "vllm":
-            if env_settings().time_model.strip():
-                self.time_model[side.label] = {"source": "JITFLOW_TIME_MODEL"}
-            elif self.cap is not None and math.isfinite(self.cap.step_s) and self.cap.step_s > 0:  # not --capacity
-                tm = analyzer_time_model(self.cap.step_s)
-                self.time_model[side.label] = {**tm, "source": "measured"}
-            else:
-                self.time_model[side.label] = {"source": "built-in"}
-            if tm is not None:
-                self.console.print(f"{side.label}: the analyzer plans with this engine's measured "
-                                   f"{tm['decode_s'] * 1e3:.0f} ms per decoded token (JITFLOW_TIME_MODEL)")
         srv = self.servers[side.label] = start_server(
             side.label, side.serve_args(), model=self.opts.model, batch_size=self.opts.batch_size,
             startup_timeout=self.opts.startup_timeout, tmp=self.tmp, patterns=self.patterns,
             length=self.length if side.scheduler != "vllm" else None,
-            omp_cores=self.cores[k] if self.cores else None, time_model=tm)
+            omp_cores=self.cores[k] if self.cores else None)
         return srv
 
     def greet(self, side: Side, startup: float, clock: _Stopwatch) -> None:
@@ -214,12 +196,18 @@ class _Run:
 
     def probe(self, side: Side, when: str) -> None:
         """Time a lone request on ``side``'s idle engine (``when``: ``before`` its first phase, which also
-        reads which length predictor its server loaded, or ``after`` its last)."""
+        reads which length predictor its server loaded, or ``after`` its last, which also reads the
+        call-time model its analyzer ended with)."""
         srv = self.servers[side.label]
         self.speed.setdefault(side.label, {})[when] = speed_probe(srv.base_url, self.opts.model)
-        if when == "before":
-            self.served[side.label] = (engine_state(srv.base_url).get("length_predictor")
-                                       if side.scheduler == "jitflow" else None)
+        if side.scheduler != "jitflow":
+            self.served.setdefault(side.label, None)
+        elif when == "before":
+            self.served[side.label] = engine_state(srv.base_url).get("length_predictor")
+        elif (tm := (engine_state(srv.base_url).get("analyzer") or {}).get("time_model")) is not None:
+            self.time_model[side.label] = tm
+            self.console.print(f"{side.label}: the analyzer planned with {tm['decode_s_per_token'] * 1e3:.0f} ms per "
+                               f"decoded token ({tm['source']})")
 
     def run_phase(self, ph: Phase, sides: list[Side]) -> None:
         """Run ``ph`` on ``sides`` at once (one side: alone), each from an idle engine, and record the runs

@@ -9,38 +9,22 @@ its own core, both start together (healthy in about 29-35 s). Once started, both
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jitflow_server.analyzer.subdeadline import DEFAULT_TIME_MODEL, time_model_env
 from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 from jitflow_server.demo.length_model import LengthModelJob
 from jitflow_server.demo.plan import DemoError
 
 
-def analyzer_time_model(step_s: float) -> dict[str, float]:
-    """The analyzer's token time model for an engine measured at ``step_s`` seconds between a request's
-    tokens at a full batch (the capacity measurement): ``{"decode_s": step_s, "prefill_s": ...}``, the
-    prefill time per prompt token keeping the built-in model's prefill/decode ratio (only that ratio
-    shapes the sub-deadline shares; the decode time sets how long the analyzer expects a task's later
-    stages to take, which GMAX weighs against the task's deadline). Raises ``ValueError`` unless
-    ``step_s`` is finite and > 0."""
-    if not (math.isfinite(step_s) and step_s > 0):
-        raise ValueError(f"step_s must be finite and > 0, got {step_s!r}")
-    ratio = DEFAULT_TIME_MODEL.prefill_s_per_token / DEFAULT_TIME_MODEL.decode_s_per_token
-    return {"decode_s": step_s, "prefill_s": step_s * ratio}
-
-
 def start_server(label: str, serve_args: Sequence[str], *, model: str, batch_size: int, startup_timeout: float,
                  tmp: Path, length: LengthModelJob | None, patterns: Sequence[Path],
-                 omp_cores: str | None = None, time_model: dict[str, float] | None = None) -> ServerProcess:
+                 omp_cores: str | None = None) -> ServerProcess:
     """Spawn ``jitflow serve`` for one side (returns at once): its own history database and telemetry
     file under ``tmp``, the pattern corpora, the length model when ``length`` is given, the engine's
-    compute threads bound to ``omp_cores`` (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"``) when given, and
-    the analyzer's time model (``JITFLOW_TIME_MODEL``, from :func:`analyzer_time_model`) when given."""
+    compute threads bound to ``omp_cores`` (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"``) when given."""
     args = ["--model", model, "--port", str(free_port()), "--batch-size", str(batch_size), *serve_args,
             "--history-db", str(tmp / f"history-{label}.sqlite")]
     for p in patterns:
@@ -50,8 +34,6 @@ def start_server(label: str, serve_args: Sequence[str], *, model: str, batch_siz
         env["JITFLOW_LENGTH_MODEL"] = str(length.path)
     if omp_cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_cores
-    if time_model is not None:
-        env.update(time_model_env(time_model["decode_s"], time_model["prefill_s"]))
     srv = ServerProcess(jitflow_command("serve", *args), tmp / f"server-{label}.log", env=env,
                         startup_timeout=startup_timeout)
     srv.start()

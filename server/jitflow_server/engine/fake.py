@@ -206,7 +206,8 @@ class FakeEngine:
         if not self.step_s:
             return None
         return ServiceRate(base_s=self.step_s, per_decode_s=0.0, per_prefill_token_s=0.0, wall_factor=1.0,
-                           min_step_s=self.step_s, batch_size=self.batch_size).to_dict()
+                           min_step_s=self.step_s, batch_size=self.batch_size,
+                           decode_batch=self.batch_size).to_dict()
 
     async def events(self) -> list[list[Any]]:
         """Lifecycle events ``[unix s, event, request id, detail]``."""

@@ -65,7 +65,10 @@ class ServiceRate:
     execution (``tracker/steps.py``) scaled to the wall time a decoding request sees per token (the
     scheduler's own time and other requests' prefill chunks; measured 1.12 on the demo model at B = 16).
     ``min_step_s`` floors the fit (a least-squares fit over similar samples can extrapolate to ~0).
-    ``batch_size``: B, the most requests that decode together.
+    ``batch_size``: B, the most requests that decode together. ``decode_batch``: how many requests the
+    engine decodes together in its busier steps (the 90th percentile over the tracker's window, at most B;
+    ``None``: not reported), so that a reader of the fit can evaluate it where it was measured instead of
+    extrapolating it to B (the analyzer's call-time model, :func:`~jitflow_server.analyzer.subdeadline.call_time_model_from_rate`).
     """
 
     base_s: float
@@ -74,6 +77,7 @@ class ServiceRate:
     wall_factor: float
     min_step_s: float
     batch_size: int
+    decode_batch: int | None = None
 
     def step_time(self, n_decode: int, prefill_tokens: int = 0) -> float:
         """Wall time (s) of one step with ``n_decode`` decoding requests and ``prefill_tokens``."""
@@ -93,12 +97,13 @@ class ServiceRate:
 
     @classmethod
     def from_dict(cls, d: Any) -> ServiceRate | None:
-        """The rate in ``d`` (an engine's ``stats()["service"]``), or ``None`` if absent or malformed."""
+        """The rate in ``d`` (an engine's ``stats()["service"]``), or ``None`` if absent or malformed.
+        ``decode_batch`` may be missing (an engine that does not report it)."""
         if not isinstance(d, dict):
             return None
         try:
-            r = cls(**{k: d[k] for k in cls.__dataclass_fields__})
-        except (KeyError, TypeError):
+            r = cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        except TypeError:  # a required field missing, or an unknown one
             return None
         vals = (r.base_s, r.per_decode_s, r.per_prefill_token_s, r.wall_factor, r.min_step_s)
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
@@ -106,6 +111,9 @@ class ServiceRate:
         if r.wall_factor < 1:
             return None
         if not isinstance(r.batch_size, int) or r.batch_size < 1:
+            return None
+        if r.decode_batch is not None and (not isinstance(r.decode_batch, int) or isinstance(r.decode_batch, bool)
+                                           or r.decode_batch < 1):
             return None
         return r
 

@@ -157,9 +157,20 @@ class StepTimeTracker:
         if coef is None or self.n_samples < 8:
             return None
         a, b, c = coef
+        b_max = max(int(batch_size), 1)
         return ServiceRate(base_s=a, per_decode_s=b, per_prefill_token_s=c, wall_factor=self._wall,
-                           min_step_s=0.5 * self._median_duration(),
-                           batch_size=max(int(batch_size), 1))
+                           min_step_s=0.5 * self._median_duration(), batch_size=b_max,
+                           decode_batch=self.decode_batch(b_max))
+
+    def decode_batch(self, batch_size: int) -> int | None:
+        """The 90th percentile of the decoding requests per step over the window's steps that decode (at
+        most ``batch_size``), or ``None`` when none of them decodes: how many requests the engine runs
+        together when it is busy, where its fit was measured."""
+        n = self._ring[: self.n_samples, 1]
+        n = n[n > 0]
+        if not n.size:
+            return None
+        return int(min(max(round(float(np.percentile(n, 90))), 1), batch_size))
 
     def summary(self) -> dict:
         """Plain-dict view (for RPC/metrics): samples, fitted coefficients, token time at 1/8/32."""
