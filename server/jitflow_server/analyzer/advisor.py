@@ -108,7 +108,7 @@ class CompoundAdvisor:
     Args:
         mode: one of :data:`ADVISOR_MODES`.
         matcher_for: the matcher of an app (``None``: no history for it); used in ``pattern`` mode.
-        time_model: token time model of the sub-deadline shares (the served engine's speed).
+        time_model: call-time model of the sub-deadline shares and the later stages' time (the served engine's speed).
         stats: fallback summaries per app.
         bound_top_k: history graphs whose same-stage outputs bound the call (:data:`STAGE_TOP_K`).
         quantile: coverage q of the stage bounds.

@@ -14,7 +14,7 @@ Stage execution time (:func:`stage_times`):
   ``max(end) - min(start)`` (parallel calls overlap);
 * otherwise the longest dependency chain inside the stage, each call weighted by its
   recorded execution time (``duration`` or ``end - start``) or, when the call has none
-  (token-only traces such as the deep-research trace), by the token time model
+  (token-only traces such as the deep-research trace), by the call-time model
   :class:`CallTimeModel`: ``overhead + prefill·input_len + decode·output_len``
   (tools without a recorded time: ``tool_default_s``).
 

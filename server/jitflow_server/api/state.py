@@ -43,8 +43,8 @@ class ServerSettings:
     tenants and scopes (empty: no authentication, ``api/auth.py``); ``deadline_admission``: hold
     E2EL-deadline requests to their latest feasible start (``scheduler/admission.py``), with the service
     time estimate multiplied by ``admission_safety``; ``service_poll_period``: how often the engine's
-    measured speed is read for it and for the analyzer's call-time model (s); ``analyzer_budget``: the longest a compound call waits for its
-    pattern match (s, ``analyzer/budget.py``).
+    measured speed is read for it and for the analyzer's call-time model (s); ``analyzer_budget``: the
+    longest a compound call waits for its pattern match (s, ``analyzer/budget.py``).
     """
 
     default_waiting_time: float = 5.0

@@ -66,9 +66,10 @@ class ServiceRate:
     scheduler's own time and other requests' prefill chunks; measured 1.12 on the demo model at B = 16).
     ``min_step_s`` floors the fit (a least-squares fit over similar samples can extrapolate to ~0).
     ``batch_size``: B, the most requests that decode together. ``decode_batch``: how many requests the
-    engine decodes together in its busier steps (the 90th percentile over the tracker's window, at most B;
-    ``None``: not reported), so that a reader of the fit can evaluate it where it was measured instead of
-    extrapolating it to B (the analyzer's call-time model, :func:`~jitflow_server.analyzer.subdeadline.call_time_model_from_rate`).
+    engine decodes together in its busier steps (the 90th percentile over the tracker's window, at most
+    B; ``None``: not reported), so that a reader of the fit can evaluate it where it was measured instead
+    of extrapolating it to B (the analyzer's call-time model,
+    :func:`~jitflow_server.analyzer.subdeadline.call_time_model_from_rate`).
     """
 
     base_s: float
@@ -103,7 +104,7 @@ class ServiceRate:
             return None
         try:
             r = cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-        except TypeError:  # a required field missing, or an unknown one
+        except TypeError:  # a required field missing (unknown ones were left out above)
             return None
         vals = (r.base_s, r.per_decode_s, r.per_prefill_token_s, r.wall_factor, r.min_step_s)
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
