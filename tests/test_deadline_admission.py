@@ -234,6 +234,6 @@ def test_the_analyzer_plans_with_the_speed_the_engine_reports(monkeypatch):
     monkeypatch.setenv("JITFLOW_TIME_MODEL", "0.2,0.002")
     with serve(FakeEngine(batch_size=2, step_s=0.01)) as (url, state):
         _wait_for_rate(state)
-        time.sleep(0.1)  # a few polls after the rate was read
+        time.sleep(1.2)  # two more polls (every 0.5 s), each of which would have replaced a built-in model
         tm = httpx.get(url + "/v1/jitflow/engine").json()["analyzer"]["time_model"]
         assert tm == {"decode_s_per_token": 0.2, "prefill_s_per_token": 0.002, "source": "JITFLOW_TIME_MODEL"}
