@@ -172,6 +172,13 @@ def test_fidelity_real_from_replays_the_same_workload_analyzer_and_reports_a_ban
     assert bad.exit_code == 2 and "--analyzer-preset" in flat
     with pytest.raises(PresetError):
         engine_model.scaled(0.0)
+    # a real run whose analyzer followed the engine's own speed cannot be replayed: refused, naming why
+    saved["config"]["analyzer_speed"] = "engine"
+    src.write_text(json.dumps(saved, default=float))
+    r = CliRunner().invoke(app, ["bench", "fidelity", "--real-from", str(src), "--data", str(tmp_path),
+                                 "--out", str(tmp_path / "fid2")])
+    flat = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 2 and "--real-from" in flat and "analyzer-speed engine" in flat
 
 
 @pytest.mark.parametrize("args, option, message", [

@@ -77,6 +77,10 @@ def register(bench_app: typer.Typer) -> None:
                 policies, duration, rps, model = ",".join(saved["real"]), c["duration"], c["rps"], c["model"]
                 batch_size, length_scale, tightness = c["batch_size"], c["length_scale"], c["tightness"]
                 waiting_time, seed = c["waiting_time"], c["seed"]
+                if c.get("analyzer_speed", "preset") != "preset":
+                    raise ValueError("its server's analyzer followed the engine's measured speed "
+                                     "(--analyzer-speed engine), which the simulated analyzer cannot replay: "
+                                     "compare a run made with the preset's time model")
                 if c.get("analyzer_preset"):
                     analyzer_model = StepModel(**c["analyzer_preset"])
             except (OSError, ValueError, KeyError, TypeError) as e:
