@@ -198,3 +198,18 @@ def test_bench_engine_rejects_a_bad_param_before_starting_a_server(tmp_path, arg
     text = " ".join(r.output.replace("│", " ").split())  # rich wraps the message in a box
     assert option in text and message in text
     assert not (tmp_path / "out" / "server.log").exists()
+
+
+def test_bench_engine_results_say_which_time_model_the_analyzer_used():
+    """``results.md`` names the analyzer's call-time model: the preset's, or the engine's measured speed
+    with the figure each policy's run ended with."""
+    from jitflow_server.bench.engine_cli import _analyzer_line
+
+    tm = {"decode_s_per_token": 0.064, "prefill_s_per_token": 0.0011, "source": "measured"}
+    res = {"config": {"analyzer_speed": "engine", "analyzer_preset": {"name": "cpu-demo-avx512"}},
+           "policies": {"gmax": {"stats": {"analyzer": {"time_model": tm}}}, "fcfs": {"stats": {}}}}
+    line = _analyzer_line(res)
+    assert "engine's measured speed" in line and "gmax 64 ms per decoded token (measured)" in line
+    assert "fcfs" not in line  # a run whose server reported no model is not invented
+    res["config"]["analyzer_speed"] = "preset"
+    assert "preset `cpu-demo-avx512`" in _analyzer_line(res)

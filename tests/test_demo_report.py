@@ -201,9 +201,12 @@ def test_report_json_markdown_and_plot(tmp_path):
     assert rep["comparison"]["burst"]["met_output_share"] == pytest.approx([2050 / 3600, 600 / 3600])  # 9×50 + 4×100 + 3×400
     assert rep["runs"][1]["generated_output_tokens"] == 3600 and rep["runs"][1]["met_output_share"] == pytest.approx(1 / 6)
     md = tmp_path / "r.md"
+    rep["analyzer_time_model"] = {"gmax": {"decode_s_per_token": 0.059, "prefill_s_per_token": 0.0011,
+                                           "source": "measured"}}  # as run_demo reads it from the server
     write_markdown(rep, md)
     text = md.read_text()
     assert "| burst | gmax |" in text and "token goodput ratio" in text and "qrf" in text
+    assert "Analyzer call-time model (gmax): 59 ms per decoded token, 1.10 ms per prompt token (measured)" in text
     assert "| 3600 | 17% |" in text and "output tokens that met an SLO 57% vs 17%" in text
     png = tmp_path / "r.png"
     plot_report(rep, png)

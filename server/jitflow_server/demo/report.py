@@ -256,7 +256,8 @@ def print_comparison(report: dict[str, Any], console: Any) -> None:
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> None:
-    """``demo-report.md``: capacity, phases, the comparison table, ratios, targets, length predictor."""
+    """``demo-report.md``: capacity, phases, the comparison table, ratios, targets, length predictor, the
+    analyzer's call-time model."""
     cap = report["capacity"]
     lines = ["# jitflow demo report", "",
              f"Model `{report['model']}`; capacity {cap['out_tok_s']:.0f} output tok/s on the demo mix "
@@ -281,6 +282,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     lp = report["length_predictor"]
     lines.append(f"Length predictor: {lp['used']} ({lp['source']}, {lp['path']})" +
                  (f". **Warning**: {lp['warning']}" if lp["warning"] else ""))
+    for side, tm in (report.get("analyzer_time_model") or {}).items():
+        lines.append(f"Analyzer call-time model ({side}): {tm['decode_s_per_token'] * 1e3:.0f} ms per decoded token, "
+                     f"{tm['prefill_s_per_token'] * 1e3:.2f} ms per prompt token ({tm['source']})")
     lines.append(f"Failed tasks: {report['failed_tasks']}")
     lines += [f"**Warning**: {report[key]}" for key in ("speed_warning", "capacity_warning") if report.get(key)]
     path.write_text("\n".join(lines) + "\n")
