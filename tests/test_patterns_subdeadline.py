@@ -145,3 +145,17 @@ def test_the_call_time_model_follows_the_engines_measured_speed():
     g = PatternGraph.from_stage_lengths("app", [[(0, 10)], [(0, 20)]])
     slow = call_time_model_from_rate(replace(rate, per_decode_s=0.02))
     assert remaining_time(g, 0, time_model=slow) == pytest.approx(20 * (0.01 + 0.02 * 8))
+
+
+def test_a_pinned_time_model_is_read_back_as_written(monkeypatch):
+    """``time_model_env`` writes what ``time_model_from_env`` parses; unset means nothing is pinned."""
+    from jitflow_server.analyzer.subdeadline import time_model_env, time_model_from_env
+
+    monkeypatch.delenv("JITFLOW_TIME_MODEL", raising=False)
+    assert time_model_from_env() is None
+    for k, v in time_model_env(0.121, 0.00197).items():
+        monkeypatch.setenv(k, v)
+    assert time_model_from_env() == CallTimeModel(prefill_s_per_token=0.00197, decode_s_per_token=0.121)
+    monkeypatch.setenv("JITFLOW_TIME_MODEL", "fast")
+    with pytest.raises(ValueError, match="JITFLOW_TIME_MODEL"):
+        time_model_from_env()

@@ -36,7 +36,8 @@ def source(tmp_path_factory):
         pytest.skip(f"{ALPACA} is not present")
     mp = pytest.MonkeyPatch()
     mp.setattr(pb, "TRAIN_PARAMS", dict(SMALL_PARAMS))
-    mp.setattr(pb, "DEFAULT_CACHE_DIR", tmp_path_factory.mktemp("sim-length"))
+    cache = tmp_path_factory.mktemp("sim-length")
+    mp.setattr(pb, "sim_length_cache_dir", lambda: cache)
     yield pb.get_source(ALPACA)
     mp.undo()
 

@@ -302,14 +302,14 @@ def time_model_env(decode_s: float, prefill_s: float) -> dict[str, str]:
     return {"JITFLOW_TIME_MODEL": f"{decode_s!r},{prefill_s!r}"}
 
 
-def time_model_from_env() -> CallTimeModel:
-    """The sub-deadline time model: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds per
-    decode / prefill token; a server then keeps it instead of following its engine's measured speed),
-    else the default. Raises
-    ``ValueError`` naming the variable when it is malformed."""
+def time_model_from_env() -> CallTimeModel | None:
+    """The call-time model the operator pinned: ``$JITFLOW_TIME_MODEL`` = ``"DECODE_S,PREFILL_S"`` (seconds
+    per decode / prefill token; a server then keeps it instead of following its engine's measured speed),
+    or ``None`` when the variable is unset or empty. Raises ``ValueError`` naming the variable when it is
+    malformed."""
     spec = env_settings().time_model.strip()
     if not spec:
-        return DEFAULT_TIME_MODEL
+        return None
     try:
         dec, pre = (float(x) for x in spec.split(","))
     except ValueError:

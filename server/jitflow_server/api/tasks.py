@@ -399,11 +399,11 @@ async def attach_tasks(app: FastAPI, state) -> None:
     ``$JITFLOW_PATTERNS``, call telemetry to ``$JITFLOW_TELEMETRY``, sub-deadline time model from
     ``$JITFLOW_TIME_MODEL``) and attach it to ``state``."""
     env = env_settings()
-    tm = time_model_from_env()
-    source = PINNED_TIME_MODEL if env.time_model.strip() else "built-in"
-    state.tasks = await asyncio.to_thread(TaskManager, None, env.pattern_files(), env.telemetry, 10_000, tm,
-                                          tenants(state.settings.api_keys), state.settings.analyzer_budget,
-                                          time_model_source=source)
+    pinned = time_model_from_env()
+    state.tasks = await asyncio.to_thread(TaskManager, None, env.pattern_files(), env.telemetry, 10_000,
+                                          pinned or DEFAULT_TIME_MODEL, tenants(state.settings.api_keys),
+                                          state.settings.analyzer_budget,
+                                          time_model_source="built-in" if pinned is None else PINNED_TIME_MODEL)
 
 
 def register_task_routes(app: FastAPI, state) -> None:

@@ -3,8 +3,8 @@
 The predictor (:class:`~jitflow_server.analyzer.length.LengthPredictor`) is trained on the AlpacaEval
 responses of Meta-Llama-3-8B-Instruct and Mistral-7B-Instruct-v0.2 through the same calls as
 ``jitflow analyzer train-length`` (``load_examples`` then ``LengthPredictor(q, **TRAIN_PARAMS).fit``, with
-that command's defaults) and cached under ``<JITFLOW_CACHE>/sim-length``, keyed by the training files' content
-hash, the feature and model format versions, the token counter, q and the forest parameters. Tokens are
+that command's defaults) and cached under ``<JITFLOW_CACHE>/sim-length`` (:func:`sim_length_cache_dir`),
+keyed by the training files' content hash, the feature and model format versions, the token counter, q and the forest parameters. Tokens are
 those of :func:`sim_token_counter` (lengths and bounds alike). Qwen2-72B-Instruct is the held-out model:
 its prompts and responses are never trained on.
 
@@ -79,11 +79,14 @@ REFINE_EVERY = 50
 #: ``max_tokens`` of compound calls (tokens; the deep-research trace's output cap).
 COMPOUND_MAX_TOKENS = 1024
 SINGLE_KINDS = ("latency", "deadline")
-#: Where trained simulator predictors are cached (``~`` expanded at use); ``None``: ``<JITFLOW_CACHE>/sim-length``
-#: (``~/.cache/jitflow/sim-length``), read at use.
-DEFAULT_CACHE_DIR: Path | None = None
 #: Fewest history outputs above ``g`` for a per-(app, stage) quantile (else the app's, as the fallback).
 MIN_POOL = 20
+
+
+def sim_length_cache_dir() -> Path:
+    """Where trained simulator predictors are cached: ``<JITFLOW_CACHE>/sim-length``
+    (``~/.cache/jitflow/sim-length``), read now."""
+    return env_settings().cache_dir() / "sim-length"
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,7 @@ def predictor_cache_path(files: Sequence[Path], quantile: float, counter: TokenC
                        f"{sorted(params.items())}".encode())
     for f in files:
         h.update(hashlib.sha256(Path(f).read_bytes()).digest())
-    if cache_dir is None:
-        cache_dir = DEFAULT_CACHE_DIR if DEFAULT_CACHE_DIR is not None else env_settings().cache_dir() / "sim-length"
-    base = Path(cache_dir).expanduser()
+    base = Path(cache_dir if cache_dir is not None else sim_length_cache_dir()).expanduser()
     return base / f"length-qrf-{h.hexdigest()[:20]}.pkl"
 
 
