@@ -182,6 +182,8 @@ def test_slos_scale_with_the_measured_step_time():
                                                                        2 * base.tot_deadline))
         assert c.deadline_tokens == base.deadline_tokens and c.grace == base.grace
     assert slo_factor(opts, cap(100 * REFERENCE_STEP_S)) == 4.0  # clipped
+    fast = _phases(opts, cap(0.5 * REFERENCE_STEP_S))  # a faster full batch keeps the SLOs as set
+    assert (fast[0].cfg.ttft, fast[0].cfg.tbt, fast[1].cfg.deadline) == (base.ttft, base.tbt, base.deadline)
     assert slo_factor(opts, cap(float("nan"))) == 1.0  # unknown step time (--capacity given)
     off = DemoOptions(slos=DemoConfig(grace=20.0), scale_slos=False)
     assert _phases(off, cap(2 * REFERENCE_STEP_S))[0].cfg.tbt == base.tbt

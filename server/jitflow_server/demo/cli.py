@@ -44,8 +44,8 @@ def register(app: typer.Typer) -> None:
         grace: float = typer.Option(20.0, help="Max seconds chat requests may run after a phase's arrivals end."),
         startup_timeout: float = typer.Option(300.0, help="Max seconds to wait for each server's /health."),
         scale_slos: bool = typer.Option(True, help="Stretch the time SLOs above by this machine's measured step "
-                                        "time against the 125 ms they are set for (0.25-4×), as the load is sized "
-                                        "by its capacity."),
+                                        "time against the 125 ms they are set for (1-4×: a faster engine keeps "
+                                        "them as set), as the load is sized by its capacity."),
         together: bool = typer.Option(False, "--together/--in-turn", help="Run both schedulers at once, each "
                                       "engine on its own half of the cores, so both see the machine at the same "
                                       "moments but no core is left for the servers' own processes (costs the "
