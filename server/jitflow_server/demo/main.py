@@ -95,9 +95,9 @@ REFERENCE_STEP_S = 0.125
 
 #: The SLOs are stretched for a slower engine but never tightened for a faster one. Tightening assumed
 #: that a faster full batch means faster steps at every batch size; a 2-core Xeon with AMX refuted it:
-#: 68 ms per step at full batch (so 0.55× SLOs, chat TBT 0.055 s) but 24-26 ms for a lone request (the
+#: 68 ms per step at full batch (so 0.55× SLOs, chat TBT 0.055 s) but 23-26 ms for a lone request (the
 #: reference machines: 17-22 ms), and in three runs at the same 0.7× load stock vLLM's chat ran at a P50
-#: of 47, 59 and 71 ms between tokens, so the normal phase missed most SLOs on both sides (24-48 %
+#: of 47, 59 and 71 ms between tokens, so the normal phase missed many SLOs on both sides (24-62 %
 #: attainment). Unscaled, the same load met every SLO on both sides. Queueing under overload, what the
 #: burst tests, takes the same seconds on any machine at the same multiple of its capacity.
 MIN_SLO_FACTOR = 1.0
@@ -126,8 +126,7 @@ def _announce(opts: DemoOptions, cap: Capacity, phases: list[Phase], console: An
     f, s = slo_factor(opts, cap), phases[0].cfg
     console.print(f"SLOs ×{f:.2f} for this machine's speed ({cap.step_s * 1000:.0f} ms between tokens at "
                   f"full batch, set for {REFERENCE_STEP_S * 1000:.0f} ms; stretched, never tightened): chat TTFT "
-                  f"{s.ttft:.2f} s, TBT "
-                  f"{s.tbt:.3f} s; deadline {s.deadline:.1f} s; tasks {s.research_deadline:.0f} / "
+                  f"{s.ttft:.2f} s, TBT {s.tbt:.3f} s; deadline {s.deadline:.1f} s; tasks {s.research_deadline:.0f} / "
                   f"{s.tot_deadline:.0f} s")
     for ph in phases:
         c = ph.cfg
