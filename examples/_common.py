@@ -433,12 +433,15 @@ def run_cli(args: argparse.Namespace, *, validate: Callable[[], None], run: Call
 
 
 async def run_agent_task(body: Callable[[], Any], *, app: str, deadline: float, client: Any, model: str | None,
-                         metadata: dict[str, Any], fetch_view: bool = True) -> tuple[Any, TaskReport]:
+                         metadata: dict[str, Any], fetch_view: bool = True,
+                         on_cancel: Callable[[TaskReport], None] | None = None) -> tuple[Any, TaskReport]:
     """Run ``await body()`` as one compound task of ``app`` (``@jitflow.agent``) and report on it.
 
     Returns ``(body's value or None when the task failed, TaskReport)``. Errors of the task (deadline,
     API errors, see :func:`jitflow_error`) end up in the report; anything else propagates. With
-    ``fetch_view`` the server's view of the task (sub-deadlines) is added to the report.
+    ``fetch_view`` the server's view of the task (sub-deadlines) is added to the report. When the
+    caller cancels the task (e.g. its own time limit), ``on_cancel`` gets the report of what ran so far
+    (outcome ``failed``, the cancellation as its error) before the cancellation propagates.
     """
     holder: dict[str, jitflow.Task] = {}
 
@@ -457,6 +460,10 @@ async def run_agent_task(body: Callable[[], Any], *, app: str, deadline: float, 
         error = jitflow_error(exc)
         if error is None:
             raise
+    except BaseException as exc:
+        if on_cancel is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
+            on_cancel(task_report(holder.get("task"), app=app, deadline=deadline, error=exc, client=client))
+        raise
     task = holder.get("task")
     used = client or (task.client if task is not None else None)
     report = task_report(task, app=app, deadline=deadline, error=error, client=used)

@@ -103,3 +103,37 @@ def test_tot_cli_runs_against_the_server(server_url):
     out = json.loads(p.stdout)
     assert out["outcome"] == "succeeded" and out["numbers"] == [3, 3, 8, 8]
     assert len(out["task"]["stages"]) == 7
+
+
+def test_a_task_its_caller_cancels_still_reports_the_stages_it_ran(server_url, monkeypatch):
+    # The demo gives up on a task at its deadline + 5 s by cancelling it; the report of what ran (here:
+    # generate_query done, web_research open) must reach the caller instead of being lost.
+    import examples.deep_research.agent as agent
+    from examples.deep_research.search import web_search
+
+    searching = anyio.Event()
+
+    async def slow_search(query, k=3, latency=0.0):
+        searching.set()
+        return await web_search(query, k, 3600.0)
+
+    monkeypatch.setattr(agent, "web_search", slow_search)
+    kept = []
+
+    async def main():
+        async with jitflow.AsyncClient(base_url=server_url) as client, anyio.create_task_group() as tg:
+            async def research():
+                await run_research("Why is the sky blue?", deadline=120, client=client, on_cancel=kept.append,
+                                   config=ResearchConfig(answer_tokens=16, research_tokens=16))
+                raise AssertionError("the search should still be running")
+
+            tg.start_soon(research)
+            await searching.wait()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert len(kept) == 1
+    rep = kept[0]
+    assert rep.task_id and rep.outcome == "failed" and "Cancel" in (rep.error or "")
+    assert [s.name for s in rep.stages][:2] == ["generate_query", "web_research"]
+    assert rep.stages[0].end is not None and rep.stages[0].llm_calls == 1 and rep.stages[1].end is not None

@@ -12,6 +12,7 @@ structured output (JSON schemas: the list of queries, ``is_sufficient`` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +236,7 @@ async def run_research(
     model: str | None = None,
     config: ResearchConfig | None = None,
     fetch_view: bool = True,
+    on_cancel: Callable[[TaskReport], None] | None = None,
 ) -> ResearchResult:
     """Run the deep-research agent as one compound task with end-to-end deadline ``deadline``.
 
@@ -245,6 +247,8 @@ async def run_research(
         model: model id (default: the client's / server's first model).
         config: :class:`ResearchConfig`.
         fetch_view: read ``GET /v1/tasks/{id}`` afterwards for the server's sub-deadlines.
+        on_cancel: called with the report of what ran when the caller cancels the task (its stages so
+            far), before the cancellation propagates.
 
     Returns:
         :class:`ResearchResult`; ``result.report.outcome`` is ``succeeded``, ``deadline_missed``
@@ -261,5 +265,5 @@ async def run_research(
     run = _Run(question.strip(), cfg)
     _, report = await run_agent_task(run.run, app=APP, deadline=deadline, client=client, model=model,
                                      metadata={"example": "deep_research", "max_loops": cfg.max_loops},
-                                     fetch_view=fetch_view)
+                                     fetch_view=fetch_view, on_cancel=on_cancel)
     return ResearchResult(run.question, run.answer, run.rounds, run.sources, run.invalid_json, report)

@@ -15,6 +15,7 @@ exactly with fractions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,6 +224,7 @@ async def run_tot(
     model: str | None = None,
     config: ToTConfig | None = None,
     fetch_view: bool = True,
+    on_cancel: Callable[[TaskReport], None] | None = None,
 ) -> ToTResult:
     """Run Tree-of-Thoughts on a Game-of-24 puzzle as one compound task with deadline ``deadline``.
 
@@ -233,6 +235,8 @@ async def run_tot(
         model: model id (default: the client's / server's first model).
         config: :class:`ToTConfig`.
         fetch_view: read ``GET /v1/tasks/{id}`` afterwards for the server's sub-deadlines.
+        on_cancel: called with the report of what ran when the caller cancels the task (its stages so
+            far), before the cancellation propagates.
 
     Returns:
         :class:`ToTResult` (``report.outcome``: ``succeeded`` | ``deadline_missed`` | ``failed``).
@@ -244,7 +248,7 @@ async def run_tot(
     search = _Search(list(numbers), cfg)
     best, report = await run_agent_task(search.run, app=APP, deadline=deadline, client=client, model=model,
                                         metadata={"example": "tree_of_thoughts", "k": cfg.k, "b": cfg.b},
-                                        fetch_view=fetch_view)
+                                        fetch_view=fetch_view, on_cancel=on_cancel)
     res = ToTResult(list(numbers), levels=search.levels, invalid_json=search.invalid_json,
                     answer=search.answer, solvable=solve(list(numbers)) is not None, report=report)
     if best is not None:

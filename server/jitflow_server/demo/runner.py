@@ -106,16 +106,23 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                 done[job.idx] = await _run_request(client, job, cfg, model)
                 return
             app = "deep-research" if job.kind == "research" else "tree-of-thoughts"
+            ran: dict[str, Any] = {}  # the report of what ran, when the time limit below cancels the task
+
+            def keep(report: Any) -> None:
+                ran.update(report.to_dict())
+
             try:
                 with anyio.fail_after((job.deadline or 0) + GIVE_UP_AFTER_S):
                     if job.kind == "research":
-                        r = await run_research(job.prompt, deadline=job.deadline, client=client, model=model)
+                        r = await run_research(job.prompt, deadline=job.deadline, client=client, model=model,
+                                               on_cancel=keep)
                     else:
-                        r = await run_tot(job.numbers, deadline=job.deadline, client=client, model=model)
+                        r = await run_tot(job.numbers, deadline=job.deadline, client=client, model=model,
+                                          on_cancel=keep)
                 done[job.idx] = r.report.to_dict()
             except TimeoutError:
-                done[job.idx] = {"app": app, "task_id": "", "outcome": "deadline_missed", "deadline": job.deadline,
-                                 "elapsed": None, "stages": [], "tokens": 0,
+                blank = {"app": app, "task_id": "", "deadline": job.deadline, "elapsed": None, "stages": [], "tokens": 0}
+                done[job.idx] = {**(ran or blank), "outcome": "deadline_missed",
                                  "error": f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline"}
             except Exception as e:  # an app bug must not abort the whole demo: report it as failed
                 done[job.idx] = {"app": app, "task_id": "", "outcome": "failed", "deadline": job.deadline,
