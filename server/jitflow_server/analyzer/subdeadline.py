@@ -299,7 +299,7 @@ PINNED_TIME_MODEL = "JITFLOW_TIME_MODEL"
 def time_model_env(decode_s: float, prefill_s: float) -> dict[str, str]:
     """The environment that gives a server's analyzer this time model (s per decode / prefill token):
     ``{"JITFLOW_TIME_MODEL": "DECODE_S,PREFILL_S"}``, the form :func:`time_model_from_env` reads."""
-    return {"JITFLOW_TIME_MODEL": f"{decode_s!r},{prefill_s!r}"}
+    return {PINNED_TIME_MODEL: f"{decode_s!r},{prefill_s!r}"}
 
 
 def time_model_from_env() -> CallTimeModel | None:

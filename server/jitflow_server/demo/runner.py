@@ -31,6 +31,12 @@ def _import_examples() -> tuple[Any, Any]:
     return run_research, run_tot
 
 
+def _task_without_report(job: LoadItem, outcome: str, error: str) -> dict[str, Any]:
+    """The record of an agent task that left no report of its own (``TaskReport.to_dict()``'s keys)."""
+    return {"app": "deep-research" if job.kind == "research" else "tree-of-thoughts", "task_id": "",
+            "outcome": outcome, "deadline": job.deadline, "elapsed": None, "stages": [], "tokens": 0, "error": error}
+
+
 async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) -> ReqRecord:
     import anyio
 
@@ -105,7 +111,6 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
             if job.kind in ("chat", "deadline"):
                 done[job.idx] = await _run_request(client, job, cfg, model)
                 return
-            app = "deep-research" if job.kind == "research" else "tree-of-thoughts"
             ran: dict[str, Any] = {}  # the report of what ran, when the time limit below cancels the task
 
             def keep(report: Any) -> None:
@@ -121,12 +126,11 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                                           on_cancel=keep)
                 done[job.idx] = r.report.to_dict()
             except TimeoutError:
-                blank = {"app": app, "task_id": "", "deadline": job.deadline, "elapsed": None, "stages": [], "tokens": 0}
-                done[job.idx] = {**(ran or blank), "outcome": "deadline_missed",
-                                 "error": f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline"}
+                gave_up = f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline"
+                done[job.idx] = ({**ran, "outcome": "deadline_missed", "error": gave_up} if ran
+                                 else _task_without_report(job, "deadline_missed", gave_up))
             except Exception as e:  # an app bug must not abort the whole demo: report it as failed
-                done[job.idx] = {"app": app, "task_id": "", "outcome": "failed", "deadline": job.deadline,
-                                 "elapsed": None, "stages": [], "tokens": 0, "error": f"{type(e).__name__}: {e}"}
+                done[job.idx] = _task_without_report(job, "failed", f"{type(e).__name__}: {e}")
 
         jobs = [j for j in plan.jobs if j.kind in ("chat", "deadline") or run_research is not None]
         t0 = time.monotonic()
@@ -174,9 +178,7 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
             res.records.append(out if out is not None else ReqRecord(job.kind, job.t, "unfinished"))
         else:
             if out is None:
-                out = {"app": "deep-research" if job.kind == "research" else "tree-of-thoughts", "task_id": "",
-                       "outcome": "unfinished", "deadline": job.deadline, "elapsed": None, "stages": [],
-                       "tokens": 0, "error": "still running when the demo ended"}
+                out = _task_without_report(job, "unfinished", "still running when the demo ended")
             out = dict(out)
             out["t"] = job.t
             out["input"] = job.prompt if job.kind == "research" else " ".join(map(str, job.numbers or []))
