@@ -302,9 +302,11 @@ async def _events(state, body: ResponsesRequest, started: Started, created: floa
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         yield _sse(seq, {"type": kind, "response": done})
     finally:
-        state.in_flight -= 1
-        finish(ok)
-        await call.close()
+        try:
+            await call.close()  # abort the engine request before the server counts the call as let go
+        finally:
+            state.in_flight -= 1
+            finish(ok)
 
 
 def _item_id(rid: str) -> str:

@@ -224,18 +224,20 @@ async def start_call(state: ServerState, body, prompt_ids: list[int], request: R
     try:
         first = await _first_event(call, request)
     except BaseException as exc:
-        state.waiting_first_token -= 1
-        state.in_flight -= 1
-        outcome = "rejected" if isinstance(exc, APIError) and exc.status == 429 else "aborted"
-        state.metrics.observe(timing, outcome, timing.summary(finished_ok=False), app_name)
-        state.forget(rid)
-        if state.length is not None:
-            state.length.discard(rid)
-        span.set_attribute("error.type", outcome)
-        span.end()
-        await call.close()
-        if state.tasks is not None and task_ctx is not None:
-            state.tasks.on_call_end(task_ctx, rid, timing, ok=False, tenant=tenant)
+        try:
+            await call.close()  # abort the engine request before the server counts the call as let go
+        finally:
+            state.waiting_first_token -= 1
+            state.in_flight -= 1
+            outcome = "rejected" if isinstance(exc, APIError) and exc.status == 429 else "aborted"
+            state.metrics.observe(timing, outcome, timing.summary(finished_ok=False), app_name)
+            state.forget(rid)
+            if state.length is not None:
+                state.length.discard(rid)
+            span.set_attribute("error.type", outcome)
+            span.end()
+            if state.tasks is not None and task_ctx is not None:
+                state.tasks.on_call_end(task_ctx, rid, timing, ok=False, tenant=tenant)
         raise
     state.waiting_first_token -= 1
     state.event(time.time(), "first_token", rid)
@@ -344,9 +346,11 @@ async def respond_json(state: ServerState, started: Started, chat: bool, request
                 break
         ok = call.finish_reason is not None and call.finish_reason != "abort"
     finally:
-        state.in_flight -= 1
-        summary = finish(ok)
-        await call.close()
+        try:
+            await call.close()  # abort the engine request before the server counts the call as let go
+        finally:
+            state.in_flight -= 1
+            summary = finish(ok)
     text = "".join(text_parts)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -395,6 +399,8 @@ async def _respond_stream(state: ServerState, call: LiveCall, first, finish: _Fi
             yield _sse({**head, "choices": [], "usage": _usage(call), "jitflow": finish(ok)})
         yield b"data: [DONE]\n\n"
     finally:
-        state.in_flight -= 1
-        finish(ok)
-        await call.close()
+        try:
+            await call.close()  # abort the engine request before the server counts the call as let go
+        finally:
+            state.in_flight -= 1
+            finish(ok)

@@ -71,6 +71,22 @@ def burst_tok_s(urls: list[str], n: int, tokens: int) -> list[float]:
     return asyncio.run(run())
 
 
+#: Jobs of the sample :func:`rps_for_load` averages a job's output tokens over.
+LOAD_SAMPLE_JOBS = 2000
+
+
+def rps_for_load(load: float, replica_tok_s: float, sample: list) -> float:
+    """Requests/s that offer ``load`` × ``replica_tok_s`` output tokens/s with jobs like ``sample`` (a
+    list of :class:`~jitflow_server.engine.jobs.Job`; a compound job's tokens are all its calls'). The
+    capacity is the replica's decode rate (B requests × 256 tokens, :func:`burst_tok_s`), so prefill is not
+    counted: a load of 1 is at or past what one replica finishes. Raises ``ValueError`` for an empty sample
+    or a non-positive load or rate."""
+    if not sample or load <= 0 or replica_tok_s <= 0:
+        raise ValueError("load and replica_tok_s must be > 0 and the sample non-empty")
+    per_job = sum(j.total_tokens[1] for j in sample) / len(sample)
+    return load * replica_tok_s / max(per_job, 1.0)
+
+
 def _summary(per: dict[str, list[float]]) -> dict:
     import numpy as np
 
@@ -88,7 +104,9 @@ def register(bench_app: typer.Typer) -> None:
         cores: str = typer.Option("0,1", "--cores", help="One replica per listed CPU core."),
         model: str = typer.Option("demo", "--model", help="demo | tiny | model directory."),
         batch_size: int = typer.Option(16, "--batch-size", min=1, help="B of each replica."),
-        rps: float = typer.Option(1.0, "--rps", min=0.01, help="Offered load (requests/s)."),
+        rps: float = typer.Option(1.0, "--rps", min=0.01, help="Offered load (requests/s); see --load."),
+        load: Optional[float] = typer.Option(None, "--load", min=0.01, help="Offered load as a multiple of one "
+                                             "replica's measured output tok/s (overrides --rps)."),
         duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window (s)."),
         seeds: int = typer.Option(3, "--seeds", min=1),
         router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
@@ -136,6 +154,11 @@ def register(bench_app: typer.Typer) -> None:
             con.print(f"engine output tok/s, {batch_size} requests × 256 tokens: alone "
                       f"{[round(x) for x in engines['alone_tok_s']]}, side by side "
                       f"{[round(x) for x in engines['together_tok_s']]}")
+            if load is not None:
+                rps = rps_for_load(load, engines["alone_tok_s"][0], make_workload(
+                    LOAD_SAMPLE_JOBS, 1.0, data=ds, seed=999, length_scale=length_scale, max_context=8000,
+                    tightness=tightness))
+                con.print(f"load {load:g}× one replica's {engines['alone_tok_s'][0]:.0f} output tok/s: {rps:.2f} req/s")
             for name, members in (("one", reps[:1]), ("pool", reps)):
                 sub = out / name
                 sub.mkdir(parents=True, exist_ok=True)
@@ -183,7 +206,7 @@ def register(bench_app: typer.Typer) -> None:
                 r.stop()
         ratio = {k: [p[k] / o[k] if o[k] else float("nan") for p, o in zip(runs["pool"], runs["one"])]
                  for k in ("token_goodput", "request_goodput", "throughput")}
-        res = {"config": {"model": model, "cores": core_list, "batch_size": batch_size, "rps": rps,
+        res = {"config": {"model": model, "cores": core_list, "batch_size": batch_size, "rps": rps, "load": load,
                           "duration": duration, "seeds": seeds, "router": router, "length_scale": length_scale,
                           "tightness": tightness, "waiting_time": waiting_time, "data": ds.origin,
                           "command": " ".join(["jitflow", "bench", "replicas-real", *sys.argv[3:]])},
@@ -198,7 +221,9 @@ def _markdown(res: dict) -> str:
     c = res["config"]
     lines = [f"# {len(c['cores'])} real replicas (one core each) behind the router vs one replica",
              "", f"`{c['command']}`", "",
-             f"Model {c['model']}, B={c['batch_size']}, {c['rps']:g} req/s for {c['duration']:g} s, router "
+             f"Model {c['model']}, B={c['batch_size']}, {c['rps']:.2f} req/s"
+             + (f" ({c['load']:g}× one replica's output tok/s)" if c.get("load") else "")
+             + f" for {c['duration']:g} s, router "
              f"{c['router']}, seeds 0–{c['seeds'] - 1}.", "",
              f"Engines alone (output tok/s, B requests × 256 tokens, no front end): "
              f"{[round(x) for x in res['engines'].get('alone_tok_s', [])]}; side by side: "
