@@ -34,6 +34,28 @@ def test_capacity_measurement_on_the_real_engine(server_url):
     assert not st.get("unfinished") and not st.get("server_in_flight")
 
 
+def test_the_event_recorder_keeps_each_lifecycle_event_of_a_request_once(server_url):
+    import anyio
+
+    from jitflow_server.demo.events import EventRecorder
+
+    r = httpx.post(server_url + "/v1/completions", json={"model": "tiny", "prompt": "Say hello.", "max_tokens": 4,
+                                                         "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    rec = EventRecorder(server_url, "gmax", "normal")
+    anyio.run(rec.final)
+    anyio.run(rec.final)  # a second read of the same events adds nothing
+    mine = [(e.source, e.event) for e in rec.events if e.request_id.startswith(rid)]
+    assert ("server", "arrive") in mine and ("server", "first_token") in mine and ("server", "done") in mine
+    assert ("engine", "add") in mine and ("engine", "finish") in mine
+    assert len(mine) == len(set(mine)) and rec.failed_reads == 0
+    assert all(e.side == "gmax" and e.phase == "normal" for e in rec.events)
+    gone = EventRecorder("http://127.0.0.1:9", "gmax", "normal")  # nothing listens: counted, not raised
+    anyio.run(gone.final)
+    assert gone.failed_reads == 1 and gone.events == []
+
+
 def test_capacity_window_opens_only_when_ready(server_url):
     """``ready`` holds the counting window shut after the warm-up (the demo trains its length model
     meanwhile): the measurement lasts warm-up + the wait + the window, and counts only the window."""
@@ -88,7 +110,9 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path, together):
     slos = DemoConfig(chat_tokens=(8, 24), deadline_tokens=(8, 24), research_deadline=60, tot_deadline=60, grace=20)
     opts = DemoOptions(model="tiny", phase_duration=4.0, capacity_scale=4.0, slos=slos, seed=3,
                        out=tmp_path / "demo-report.json", model_cache=tmp_path / "models", batch_size=8,
-                       together=together)
+                       together=together, events=not together)
+    stale = tmp_path / "demo-report.events.jsonl"
+    stale.write_text('{"left": "by an earlier run"}\n')
     console = Console(file=open(tmp_path / "console.txt", "w"), width=200)  # noqa: SIM115
     report = run_demo(opts, console)
     console.file.close()
@@ -145,3 +169,16 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path, together):
     assert (tmp_path / "demo-report.png").read_bytes()[:4] == b"\x89PNG"
     text = (tmp_path / "console.txt").read_text()
     assert "both schedulers on the same arrivals" in text and "stock vLLM scheduler, no plug-in" in text
+    if together:  # no --events: the file of an earlier run is left alone
+        assert stale.read_text().startswith('{"left"')
+        return
+    # --events: every side's and phase's lifecycle events, each once, the earlier run's file replaced
+    rows = [json.loads(line) for line in stale.read_text().splitlines()]
+    assert rows and all(set(r) == {"side", "phase", "source", "t", "event", "request_id", "detail"} for r in rows)
+    assert len({json.dumps(r, sort_keys=True) for r in rows}) == len(rows)
+    for (side, phase), run in by.items():
+        mine = [r for r in rows if r["side"] == side and r["phase"] == phase]
+        served = sum(1 for x in run["records"] if x["status"] == "ok")
+        assert sum(r["event"] == "arrive" for r in mine) >= served > 0
+        assert sum(r["event"] == "done" and "ok=True" in r["detail"] for r in mine) >= served
+    assert any(r["side"] == "gmax" and r["source"] == "engine" and r["event"] == "add" for r in rows)

@@ -51,6 +51,8 @@ def register(app: typer.Typer) -> None:
                                       "moments but no core is left for the servers' own processes (costs the "
                                       "scheduler with more work speed; docs/quickstart.md), or one after the "
                                       "other on every core (the default)."),
+        events: bool = typer.Option(False, "--events", help="Record the servers' request lifecycle events "
+                                    "during the phases in <out>.events.jsonl (to trace a run afterwards)."),
     ) -> None:
         """The main job: measure this machine, then serve a mixed chat / deadline / agent-task load at 0.7× and
         1.5× its capacity under stock vLLM and under jitflow, on the same arrivals, and report both."""
@@ -76,7 +78,7 @@ def register(app: typer.Typer) -> None:
                            recalibrate=recalibrate, slos=slos, seed=seed, out=out,
                            patterns=[] if no_patterns else (list(patterns) if patterns else None),
                            startup_timeout=startup_timeout, params=list(param), scale_slos=scale_slos,
-                           together=together)
+                           together=together, events=events)
         try:
             opts.validate()
         except ValueError as e:

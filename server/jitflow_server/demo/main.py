@@ -40,6 +40,7 @@ from jitflow_server.demo.calibrate import (
     task_calls,
 )
 from jitflow_server.demo.capacity import WARM_ENGINE_S, resolve_capacity, warm_engine
+from jitflow_server.demo.events import EventRecorder, events_path, write_events
 from jitflow_server.demo.length_model import LengthModelJob, start_length_model
 from jitflow_server.demo.options import DemoOptions, Phase, Side, side_cores
 from jitflow_server.demo.plan import (
@@ -231,15 +232,22 @@ class _Run:
         before = [generated_output_tokens(u) for u in urls]
         results: dict[int, RunResult] = {}
 
+        recorders = [EventRecorder(u, s.label, ph.name) for s, u in zip(sides, urls, strict=True)] \
+            if self.opts.events else []
+
         async def both() -> None:
             with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                           console=self.console) as prog:
-                async with anyio.create_task_group() as tg:
-                    for i, (side, url) in enumerate(zip(sides, urls, strict=True)):
-                        async def one(i: int = i, side: Side = side, url: str = url) -> None:
-                            results[i] = await run_load(url, ph.plan, ph.cfg, side.label, self.console,
-                                                        phase=ph.name, progress=prog)
-                        tg.start_soon(one)
+                async with anyio.create_task_group() as watch:  # the event recorders live as long as the loads
+                    for rec in recorders:
+                        watch.start_soon(rec.run)
+                    async with anyio.create_task_group() as tg:
+                        for i, (side, url) in enumerate(zip(sides, urls, strict=True)):
+                            async def one(i: int = i, side: Side = side, url: str = url) -> None:
+                                results[i] = await run_load(url, ph.plan, ph.cfg, side.label, self.console,
+                                                            phase=ph.name, progress=prog)
+                            tg.start_soon(one)
+                    watch.cancel_scope.cancel()
 
         anyio.run(both)
         for i, side in enumerate(sides):
@@ -254,6 +262,14 @@ class _Run:
                 run.generated_output_tokens = after - before[i]
             print_summary(run, self.console)
             self.runs.append(run)
+        if recorders:
+            for rec in recorders:
+                anyio.run(rec.final)
+            path = events_path(self.opts.out)
+            n = write_events(recorders, path)
+            missed = sum(r.failed_reads for r in recorders)
+            self.console.print(f"{ph.name}: {n} server events appended to {path}"
+                               + (f" ({missed} reads failed)" if missed else ""))
 
 
 def _in_turn(r: _Run) -> dict[str, dict[str, float]]:
@@ -332,6 +348,8 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
 
     console = console or Console()
     opts.validate()
+    if opts.events:  # each phase appends to it: a file left by an earlier run must not mix in
+        events_path(opts.out).unlink(missing_ok=True)
     patterns = opts.patterns if opts.patterns is not None else sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
     if _import_examples()[0] is None:
         console.print("[yellow]warning:[/yellow] the examples/ package is not importable (run from a source "

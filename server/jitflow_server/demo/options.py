@@ -70,6 +70,8 @@ class DemoOptions:
             runs on 2 cores, 0.85-1.50×), against 3 % (0.90-1.23×) in turn. Off (the default), or on a
             machine with one core, the sides run in turn, each on the whole machine as vLLM's own CPU
             binding sets it up (compute on one core, the other left to the API server and engine loop).
+        events: record every server's request lifecycle events during the phases in
+            ``<out>.events.jsonl`` (:mod:`jitflow_server.demo.events`; the file is replaced per run).
     """
 
     data_dir: Path | None = None
@@ -93,6 +95,7 @@ class DemoOptions:
     params: list[str] = field(default_factory=list)
     scale_slos: bool = True
     together: bool = False
+    events: bool = False
 
     def sides(self) -> list[Side]:
         """The baseline (if any) first, then jitflow."""
