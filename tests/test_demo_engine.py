@@ -43,7 +43,10 @@ def test_the_event_recorder_keeps_each_lifecycle_event_of_a_request_once(server_
                                                          "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     rid = r.json()["id"]
-    rec = EventRecorder(server_url, "gmax", "normal")
+    later = EventRecorder(server_url, "gmax", "burst")  # made after the request: none of its events
+    anyio.run(later.final)
+    assert not [e for e in later.events if e.request_id.startswith(rid)]
+    rec = EventRecorder(server_url, "gmax", "normal", since=0.0)
     anyio.run(rec.final)
     anyio.run(rec.final)  # a second read of the same events adds nothing
     mine = [(e.source, e.event) for e in rec.events if e.request_id.startswith(rid)]
@@ -182,3 +185,7 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path, together):
         assert sum(r["event"] == "arrive" for r in mine) >= served > 0
         assert sum(r["event"] == "done" and "ok=True" in r["detail"] for r in mine) >= served
     assert any(r["side"] == "gmax" and r["source"] == "engine" and r["event"] == "add" for r in rows)
+    for side in ("vllm", "gmax"):  # a phase's file holds its own requests only, not the last phase's left in the server
+        ids = {p: {r["request_id"] for r in rows if r["side"] == side and r["phase"] == p and r["source"] == "server"}
+               for p in ("normal", "burst")}
+        assert ids["normal"] and ids["burst"] and not ids["normal"] & ids["burst"]

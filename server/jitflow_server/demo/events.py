@@ -10,6 +10,7 @@ cannot be traced after the fact: the demo's servers and their logs are gone when
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,10 +38,13 @@ class ServerEvent:
 
 class EventRecorder:
     """Reads one server's events while a phase runs (:meth:`run`, until cancelled) and once more at the end
-    (:meth:`poll`); :attr:`events` holds each event once, in the order first read."""
+    (:meth:`final`); :attr:`events` holds each event once, in the order first read. Events before ``since``
+    (unix s; default: when the recorder is made) belong to an earlier phase and are left out: the server
+    still holds them at the first read."""
 
-    def __init__(self, url: str, side: str, phase: str) -> None:
+    def __init__(self, url: str, side: str, phase: str, since: float | None = None) -> None:
         self.url, self.side, self.phase = url.rstrip("/"), side, phase
+        self.since = time.time() if since is None else since
         self.events: list[ServerEvent] = []
         self._seen: set[tuple] = set()
         self.failed_reads = 0
@@ -58,7 +62,7 @@ class EventRecorder:
         for source in ("engine", "server"):
             for row in body.get(source) or []:
                 key = (source, *row)
-                if key in self._seen or len(row) != 4:
+                if key in self._seen or len(row) != 4 or float(row[0]) < self.since:
                     continue
                 self._seen.add(key)
                 t, event, rid, detail = row
