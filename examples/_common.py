@@ -460,8 +460,8 @@ async def run_agent_task(body: Callable[[], Any], *, app: str, deadline: float, 
         error = jitflow_error(exc)
         if error is None:
             raise
-    except BaseException as exc:
-        if on_cancel is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
+    except anyio.get_cancelled_exc_class() as exc:
+        if on_cancel is not None:
             on_cancel(task_report(holder.get("task"), app=app, deadline=deadline, error=exc, client=client))
         raise
     task = holder.get("task")

@@ -39,7 +39,7 @@ from jitflow_server.api.schemas import (
     check_utf8,
     null_is_default,
 )
-from jitflow_server.api.serving import Started, respond_json
+from jitflow_server.api.serving import Started, release_call, respond_json
 
 #: Text content part types of an input message (``output_text``: an earlier assistant turn).
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -302,11 +302,7 @@ async def _events(state, body: ResponsesRequest, started: Started, created: floa
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         yield _sse(seq, {"type": kind, "response": done})
     finally:
-        try:
-            await call.close()  # abort the engine request before the server counts the call as let go
-        finally:
-            state.in_flight -= 1
-            finish(ok)
+        await release_call(state, call, finish, ok)
 
 
 def _item_id(rid: str) -> str:

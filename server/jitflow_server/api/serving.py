@@ -111,8 +111,8 @@ def _admission(state: ServerState, kind: str, deadline: float | None, waiting_ti
 @dataclasses.dataclass
 class Started:
     """A call the engine has started: its :class:`LiveCall`, first queue event and the :class:`_Finisher`
-    that records its outcome once. Whoever answers the client owns it from here: it must decrement
-    ``state.in_flight``, call ``finish`` and close the call (as :func:`respond_json` does)."""
+    that records its outcome once. Whoever answers the client owns it from here: it must end with
+    :func:`release_call` (as :func:`respond_json` does)."""
 
     call: LiveCall
     first: Any
@@ -121,6 +121,19 @@ class Started:
     def usage(self) -> dict[str, int]:
         """OpenAI usage of the call so far (tokens)."""
         return _usage(self.call)
+
+
+async def release_call(state: ServerState, call: LiveCall, finish: _Finisher, ok: bool) -> dict:
+    """End an answered call: abort its engine request if it is still running, then count it as let go
+    (``state.in_flight``) and record its outcome (``finish(ok)``), whose summary is returned. The abort comes
+    first, so the server never reports a call released while the engine still holds it; the release
+    happens even when the abort fails or is cancelled."""
+    try:
+        await call.close()
+    finally:
+        state.in_flight -= 1
+        summary = finish(ok)
+    return summary
 
 
 async def serve_request(state: ServerState, body, prompt_ids: list[int], request: Request, *, chat: bool,
@@ -346,11 +359,7 @@ async def respond_json(state: ServerState, started: Started, chat: bool, request
                 break
         ok = call.finish_reason is not None and call.finish_reason != "abort"
     finally:
-        try:
-            await call.close()  # abort the engine request before the server counts the call as let go
-        finally:
-            state.in_flight -= 1
-            summary = finish(ok)
+        summary = await release_call(state, call, finish, ok)
     text = "".join(text_parts)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -399,8 +408,4 @@ async def _respond_stream(state: ServerState, call: LiveCall, first, finish: _Fi
             yield _sse({**head, "choices": [], "usage": _usage(call), "jitflow": finish(ok)})
         yield b"data: [DONE]\n\n"
     finally:
-        try:
-            await call.close()  # abort the engine request before the server counts the call as let go
-        finally:
-            state.in_flight -= 1
-            finish(ok)
+        await release_call(state, call, finish, ok)
