@@ -11,7 +11,13 @@ import pytest
 from rich.console import Console
 
 from jitflow_server.demo import DemoConfig, DemoOptions, run_demo
-from jitflow_server.demo.calibrate import measure_capacity, mix_shapes, task_calls
+from jitflow_server.demo.calibrate import (
+    CAPACITY_ROUNDS,
+    measure_capacity,
+    mix_shapes,
+    settled_capacity,
+    task_calls,
+)
 from jitflow_server.demo.plan import REPO_ROOT
 
 pytestmark = pytest.mark.engine
@@ -78,7 +84,11 @@ def test_capacity_window_opens_only_when_ready(server_url):
     elapsed = time.monotonic() - t0
     assert polls[0] < 3.0 <= polls[-1] and len(polls) >= 5
     assert elapsed >= 5.0  # 1 s warm-up, held until 3 s, then a 2 s window
-    assert cap.requests > 0 and cap.out_tok_s > 0 and cap.window_s == 2.0
+    # counting windows of 2 s, one after another until one reads at most 10 % more than the one before
+    assert 1 <= len(cap.window_rates) <= CAPACITY_ROUNDS and cap.window_s == 2.0 * len(cap.window_rates)
+    assert cap.requests > 0 and cap.out_tok_s == settled_capacity(cap.window_rates) > 0
+    if len(cap.window_rates) < CAPACITY_ROUNDS:  # it stopped early: the last window had settled
+        assert cap.window_rates[-1] <= 1.1 * cap.window_rates[-2]
 
 
 def test_a_stale_cached_capacity_is_measured_again(server_url, tmp_path):

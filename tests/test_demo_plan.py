@@ -197,3 +197,27 @@ def test_the_command_line_without_its_extras_names_the_install_line():
     ok = subprocess.run([sys.executable, "-c", "from jitflow_server.entry import missing; print(missing())"],
                         capture_output=True, text=True, timeout=60)
     assert ok.stdout.strip() == "[]"  # this environment has the extras
+
+
+def test_window_rates_count_each_streams_tokens_in_its_window():
+    """Chunks are counted in the window they arrive in, times the stream's tokens per chunk (a stream
+    still running takes the finished streams' mean)."""
+    from jitflow_server.demo.calibrate import _window_rates
+
+    streams = [[[0.5, 1.5, 2.5], 2.0],  # finished: 2 tokens per chunk
+               [[1.2, 1.8], None]]  # still running: the mean of the finished, 2.0
+    assert _window_rates(streams, [0.0, 1.0, 2.0, 4.0]) == [2.0, 6.0, 1.0]
+
+
+@pytest.mark.parametrize("rates,expected", [
+    ([100.0], 100.0),  # one window: its own reading
+    ([79.0, 185.0, 190.0], 187.5),  # settled once the rise is at most 10 %: the last two
+    ([80.0, 120.0, 160.0, 200.0], 200.0),  # still rising after the last window: the last
+    ([200.0, 150.0], 175.0),  # a fall counts as settled
+])
+def test_the_capacity_is_read_once_the_windows_settle(rates, expected):
+    from jitflow_server.demo.calibrate import settled_capacity
+
+    assert settled_capacity(rates) == pytest.approx(expected)
+    with pytest.raises(ValueError):
+        settled_capacity([])

@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,23 @@ from jitflow_server.demo.plan import BASE_MIX, BaseMix
 from jitflow_server.settings import env_settings
 
 #: Bump when the measurement changes meaning (old cache entries are then ignored).
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 #: Seconds of closed-loop load before the counting window opens (the loop starts with 2·B requests at
 #: once). The measurement is noisy, and not from a short warm-up: on a fresh server of the demo model
 #: (float32, 2 cores), measurements in a row (fresh prompts each) read 142-213 output tok/s with 6 s and 146-197 with
 #: 20 s. Nor from which calls the loop draws: drawing them evenly over their sizes (a low-discrepancy
 #: sequence) read 167-214 against 152-200 for independent draws, alternating on one server.
 CAPACITY_WARMUP_S = 6.0
+#: Counting windows the measurement runs at most, one after another in the same closed loop: it stops at
+#: the first window that reads at most :data:`WARM_RISE` more than the one before, and the capacity is the
+#: mean of those two. The loop starts with 2·B requests at once, and on a machine whose prefill is slow
+#: their prompts take longer than the warm-up: on a 2-core Xeon with avx512_bf16 and no AMX (2026-11-28)
+#: the first 10 s window read 5 output tok/s and the next two 145 and 136. One 16 s window right after the
+#: warm-up read 69 and 79 tok/s on two fresh servers there; phases sized from 69 ran far below what the
+#: engine serves, and neither scheduler missed an SLO.
+CAPACITY_ROUNDS = 4
+#: The rise from one counting window to the next up to which the reading counts as settled (0.10: +10 %).
+WARM_RISE = 0.10
 
 
 def default_cache() -> Path:
@@ -64,6 +74,8 @@ class Capacity:
         window_s: length of the measurement window (s).
         measured_at: ISO time of the measurement.
         cached: True when read from the cache instead of measured in this run.
+        window_rates: output tok/s of each counting window in turn (:data:`CAPACITY_ROUNDS`); empty in
+            entries given by ``--capacity``.
         probe_tbt_s: the time between output tokens of a lone request on the idle engine right after the
             measurement (s; :func:`speed_probe`), to tell later runs whether the
             machine still runs at this speed (:func:`is_stale`); None in entries cached before it existed.
@@ -79,6 +91,7 @@ class Capacity:
     measured_at: str
     cached: bool = False
     probe_tbt_s: float | None = None
+    window_rates: list[float] = field(default_factory=list)
 
 
 #: A cached capacity is measured again when a lone request's time between tokens now differs from the one
@@ -269,7 +282,7 @@ async def _stream_one(client: Any, path: str, body: dict[str, Any], chunks: list
 
 async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: int, warmup: float,
                    window: float, seed: int, vocab: int, ready: Callable[[], bool] | None = None,
-                   max_wait: float = 120.0) -> tuple[float, float, int]:
+                   max_wait: float = 120.0, rounds: int = 1) -> tuple[list[float], float, int]:
     import anyio
     import httpx
 
@@ -311,24 +324,53 @@ async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: i
             while ready is not None and not ready() and time.monotonic() < t_start + warmup + max_wait:
                 await anyio.sleep(0.2)
             span["lo"] = time.monotonic()
-            span["hi"] = span["lo"] + window
-            await anyio.sleep(window)
+            span["hi"] = span["lo"] + rounds * window  # the workers stop drawing at the last possible end
+            edges = [span["lo"]]
+            for _ in range(rounds):
+                await anyio.sleep(window)
+                edges.append(time.monotonic())
+                rates = _window_rates(streams, edges)
+                if len(rates) > 1 and rates[-1] <= (1.0 + WARM_RISE) * rates[-2]:
+                    break
             tg.cancel_scope.cancel()  # in-flight requests are cancelled (and aborted) at the end
-    lo, hi = span["lo"], span["hi"]
+    rates = _window_rates(streams, edges)
+    finished = sum(r is not None and ch[-1] >= edges[0] for ch, r in streams)
+    if sum(rates) <= 0:
+        raise RuntimeError("no output token arrived during the capacity measurement")
+    return rates, (statistics.median(tbts) if tbts else float("nan")), finished
+
+
+def _window_rates(streams: list[list[Any]], edges: list[float]) -> list[float]:
+    """Output tokens/s in each window between consecutive ``edges`` (monotonic s): each stream's content
+    chunks in the window, times its tokens per chunk (the mean of the finished streams' for one still
+    running)."""
     ratios = [r for _, r in streams if r is not None]
     mean_ratio = statistics.fmean(ratios) if ratios else 1.0
-    toks = sum(sum(lo <= t <= hi for t in ch) * (r if r is not None else mean_ratio) for ch, r in streams)
-    finished = sum(r is not None and ch[-1] >= lo for ch, r in streams)
-    if toks <= 0:
-        raise RuntimeError("no output token arrived during the capacity measurement")
-    return toks / window, (statistics.median(tbts) if tbts else float("nan")), finished
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        toks = sum(sum(lo <= t < hi for t in ch) * (r if r is not None else mean_ratio) for ch, r in streams)
+        out.append(toks / max(hi - lo, 1e-9))
+    return out
+
+
+def settled_capacity(rates: list[float]) -> float:
+    """The capacity of consecutive window readings (tok/s, oldest first): the mean of the last two once the
+    last rose by at most :data:`WARM_RISE` over the one before, else the last (the reading was still
+    rising; a single window is its own reading). Raises ``ValueError`` for no readings."""
+    if not rates:
+        raise ValueError("no window readings")
+    if len(rates) > 1 and rates[-1] <= (1.0 + WARM_RISE) * rates[-2]:
+        return (rates[-1] + rates[-2]) / 2
+    return rates[-1]
 
 
 def measure_capacity(url: str, model: str, shapes: list[CallShape], *, key: str, batch_size: int,
                      warmup: float = CAPACITY_WARMUP_S, window: float = 16.0, seed: int = 0,
-                     ready: Callable[[], bool] | None = None) -> Capacity:
+                     ready: Callable[[], bool] | None = None, rounds: int = CAPACITY_ROUNDS) -> Capacity:
     """Measure the engine behind ``url`` on ``shapes`` (``2·batch_size`` requests in flight for
-    ``warmup + window`` seconds; the requests still in flight are then cancelled) and return the capacity.
+    ``warmup`` seconds, then up to ``rounds`` counting windows of ``window`` seconds each, until the engine
+    is warm: see :data:`CAPACITY_ROUNDS` and :func:`settled_capacity`; the requests still in flight are then
+    cancelled) and return the capacity.
 
     ``ready``: polled after the warm-up; the window opens once it returns True (at most 120 s later), so
     that work sharing the CPU during the warm-up (the demo trains its length model then) is not counted.
@@ -340,8 +382,10 @@ def measure_capacity(url: str, model: str, shapes: list[CallShape], *, key: str,
     import anyio
 
     vocab = 2000  # prompt token ids are drawn below the demo tokenizer's vocabulary (2,359 entries)
-    out_tok_s, step_s, n = anyio.run(_measure, url, model, shapes, 2 * batch_size, warmup, window, seed, vocab,
-                                     ready)
+    rates, step_s, n = anyio.run(_measure, url, model, shapes, 2 * batch_size, warmup, window, seed, vocab,
+                                 ready, 120.0, rounds)
+    out_tok_s = settled_capacity(rates)
     demand = mix_demand(shapes)
     return Capacity(key=key, out_tok_s=out_tok_s, step_s=step_s, demand_tok_s=demand, scale=out_tok_s / demand,
-                    requests=n, window_s=window, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                    requests=n, window_s=window * len(rates), window_rates=rates,
+                    measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jitflow_server.demo.calibrate import (
+    CAPACITY_ROUNDS,
     CAPACITY_WARMUP_S,
     CallShape,
     Capacity,
@@ -39,7 +40,7 @@ def warm_engine(url: str, opts: DemoOptions, shapes: list[CallShape], console: A
     with status or contextlib.nullcontext():
         with contextlib.suppress(RuntimeError):  # no token in the short window: still warmed
             measure_capacity(url, opts.model, shapes, key="warm-up", batch_size=opts.batch_size,
-                             warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7)
+                             warmup=1.0, window=WARM_ENGINE_S - 1.0, seed=opts.seed + 7, rounds=1)
     wait_idle(url, 30)
 
 
@@ -83,7 +84,8 @@ def resolve_capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: lis
     urls = [url, *(also or [])]
     each = f" on each of {len(urls)} engines" if len(urls) > 1 else ""
     with console.status(f"measuring this machine's capacity: {2 * opts.batch_size} requests of the demo mix in "
-                        f"flight{each} for {opts.calibration_window + CAPACITY_WARMUP_S:.0f} s ..."):
+                        f"flight{each} until its speed settles (at most "
+                        f"{CAPACITY_ROUNDS * opts.calibration_window + CAPACITY_WARMUP_S:.0f} s) ..."):
         def measure(u: str) -> Capacity:
             return measure_capacity(u, opts.model, shapes, key=key, batch_size=opts.batch_size,
                                     window=opts.calibration_window, seed=opts.seed, ready=ready)
@@ -105,6 +107,7 @@ def resolve_capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: lis
     cap.probe_tbt_s = speed_probe(url, opts.model)
     save_cached(cap, opts.capacity_cache)
     console.print(f"capacity: [bold]{cap.out_tok_s:.0f} output tok/s[/bold] on the demo mix "
-                  f"({cap.requests} requests, {cap.step_s * 1000:.0f} ms between tokens at full batch); saved to "
+                  f"({cap.requests} requests, {cap.step_s * 1000:.0f} ms between tokens at full batch; windows of "
+                  f"{opts.calibration_window:.0f} s read {', '.join(f'{r:.0f}' for r in cap.window_rates)}); saved to "
                   f"{opts.capacity_cache}")
     return cap

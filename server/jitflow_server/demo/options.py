@@ -51,8 +51,9 @@ class DemoOptions:
         normal_load, burst_load: phase loads as multiples of the measured capacity.
         capacity_scale: skip the measurement and use this capacity (load-scale units).
         recalibrate: measure even if the cache has this machine.
-        calibration_window: seconds of the capacity measurement (after its warm-up,
-            ``calibrate.CAPACITY_WARMUP_S``).
+        calibration_window: seconds of each counting window of the capacity measurement (after its
+            warm-up, ``calibrate.CAPACITY_WARMUP_S``; up to ``calibrate.CAPACITY_ROUNDS`` windows, until
+            a window reads about what the one before it read).
         slos: SLOs, token ranges and chat grace of every phase (rates and counts are set per phase).
         seed: seed of the plans (normal phase ``seed``, burst ``seed + 1``).
         out: report JSON path (``.md`` and ``.png`` next to it).
@@ -83,7 +84,7 @@ class DemoOptions:
     burst_load: float = 1.5
     capacity_scale: float | None = None
     recalibrate: bool = False
-    calibration_window: float = 16.0
+    calibration_window: float = 10.0
     slos: DemoConfig = field(default_factory=lambda: DemoConfig(grace=20.0))
     seed: int = 0
     out: Path = Path("demo-report.json")

@@ -184,7 +184,22 @@ def build_demo_model(variant: str = "demo", out: Path | str | None = None, *, fo
     out = Path(out) if out is not None else default_model_dir(variant)
     if not force and _is_complete(out):
         return out
+    from filelock import FileLock
 
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # processes started together (the replicas of `bench replicas-real`) each found no model: one builds
+    # it, the others wait and then use that build (without the lock they wrote into one `.partial` folder
+    # at once and a replica failed on a file another had moved)
+    with FileLock(str(out.with_name(out.name + ".lock"))):
+        if not force and _is_complete(out):
+            return out
+        _build(spec, variant, out)
+    return out
+
+
+def _build(spec: ModelSpec, variant: str, out: Path) -> None:
+    """Write the model of ``spec`` to ``out`` (through a ``.partial`` folder renamed at the end); the
+    caller holds the build lock."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -222,7 +237,6 @@ def build_demo_model(variant: str = "demo", out: Path | str | None = None, *, fo
 
         shutil.rmtree(out)
     tmp.rename(out)
-    return out
 
 
 def resolve_model(model: str) -> Path:
