@@ -40,7 +40,7 @@ CALIBRATION_VERSION = 2
 #: sequence) read 167-214 against 152-200 for independent draws, alternating on one server.
 CAPACITY_WARMUP_S = 6.0
 #: Counting windows the measurement runs at most, one after another in the same closed loop: it stops at
-#: the first window that reads at most :data:`WARM_RISE` more than the one before, and the capacity is the
+#: the first window that reads at most :data:`SETTLED_RISE` more than the one before, and the capacity is the
 #: mean of those two. The loop starts with 2·B requests at once, and on a machine whose prefill is slow
 #: their prompts take longer than the warm-up: on a 2-core Xeon with avx512_bf16 and no AMX (2026-11-28)
 #: the first 10 s window read 5 output tok/s and the next two 145 and 136. One 16 s window right after the
@@ -48,7 +48,7 @@ CAPACITY_WARMUP_S = 6.0
 #: engine serves, and neither scheduler missed an SLO.
 CAPACITY_ROUNDS = 4
 #: The rise from one counting window to the next up to which the reading counts as settled (0.10: +10 %).
-WARM_RISE = 0.10
+SETTLED_RISE = 0.10
 
 
 def default_cache() -> Path:
@@ -71,7 +71,7 @@ class Capacity:
         demand_tok_s: the base mix's output tokens per second at scale 1.
         scale: capacity in load-scale units (``out_tok_s / demand_tok_s``).
         requests: requests that finished inside the measurement window.
-        window_s: length of the measurement window (s).
+        window_s: seconds of the counting windows in all.
         measured_at: ISO time of the measurement.
         cached: True when read from the cache instead of measured in this run.
         window_rates: output tok/s of each counting window in turn (:data:`CAPACITY_ROUNDS`); empty in
@@ -330,7 +330,7 @@ async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: i
                 await anyio.sleep(window)
                 edges.append(time.monotonic())
                 rates = _window_rates(streams, edges)
-                if len(rates) > 1 and rates[-1] <= (1.0 + WARM_RISE) * rates[-2]:
+                if len(rates) > 1 and rates[-1] <= (1.0 + SETTLED_RISE) * rates[-2]:
                     break
             tg.cancel_scope.cancel()  # in-flight requests are cancelled (and aborted) at the end
     rates = _window_rates(streams, edges)
@@ -355,11 +355,11 @@ def _window_rates(streams: list[list[Any]], edges: list[float]) -> list[float]:
 
 def settled_capacity(rates: list[float]) -> float:
     """The capacity of consecutive window readings (tok/s, oldest first): the mean of the last two once the
-    last rose by at most :data:`WARM_RISE` over the one before, else the last (the reading was still
+    last rose by at most :data:`SETTLED_RISE` over the one before, else the last (the reading was still
     rising; a single window is its own reading). Raises ``ValueError`` for no readings."""
     if not rates:
         raise ValueError("no window readings")
-    if len(rates) > 1 and rates[-1] <= (1.0 + WARM_RISE) * rates[-2]:
+    if len(rates) > 1 and rates[-1] <= (1.0 + SETTLED_RISE) * rates[-2]:
         return (rates[-1] + rates[-2]) / 2
     return rates[-1]
 
@@ -368,9 +368,9 @@ def measure_capacity(url: str, model: str, shapes: list[CallShape], *, key: str,
                      warmup: float = CAPACITY_WARMUP_S, window: float = 16.0, seed: int = 0,
                      ready: Callable[[], bool] | None = None, rounds: int = CAPACITY_ROUNDS) -> Capacity:
     """Measure the engine behind ``url`` on ``shapes`` (``2·batch_size`` requests in flight for
-    ``warmup`` seconds, then up to ``rounds`` counting windows of ``window`` seconds each, until the engine
-    is warm: see :data:`CAPACITY_ROUNDS` and :func:`settled_capacity`; the requests still in flight are then
-    cancelled) and return the capacity.
+    ``warmup`` seconds, then up to ``rounds`` counting windows of ``window`` seconds each, until a window
+    reads at most :data:`SETTLED_RISE` more than the one before: see :data:`CAPACITY_ROUNDS` and
+    :func:`settled_capacity`; the requests still in flight are then cancelled) and return the capacity.
 
     ``ready``: polled after the warm-up; the window opens once it returns True (at most 120 s later), so
     that work sharing the CPU during the warm-up (the demo trains its length model then) is not counted.
