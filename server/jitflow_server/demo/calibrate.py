@@ -293,11 +293,10 @@ async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: i
     streams: list[list[Any]] = []  # [chunk times, completion tokens per chunk or None]
     tbts: list[float] = []
     t_start = time.monotonic()
-    span = {"lo": t_start + warmup, "hi": t_start + warmup + window}  # the window, moved while not ready
 
     async def worker(client: httpx.AsyncClient, k: int) -> None:
         await anyio.sleep(k * 0.05)  # stagger the first wave
-        while time.monotonic() < span["hi"]:
+        while True:  # until the task group is cancelled after the last window (a wait for ``ready`` included)
             s = rng.choices(shapes, weights)[0]
             if s.text is not None:
                 path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": s.text}]}
@@ -323,14 +322,11 @@ async def _measure(url: str, model: str, shapes: list[CallShape], concurrency: i
             await anyio.sleep(warmup)
             while ready is not None and not ready() and time.monotonic() < t_start + warmup + max_wait:
                 await anyio.sleep(0.2)
-            span["lo"] = time.monotonic()
-            span["hi"] = span["lo"] + rounds * window  # the workers stop drawing at the last possible end
-            edges = [span["lo"]]
+            edges = [time.monotonic()]
             for _ in range(rounds):
                 await anyio.sleep(window)
                 edges.append(time.monotonic())
-                rates = _window_rates(streams, edges)
-                if len(rates) > 1 and rates[-1] <= (1.0 + SETTLED_RISE) * rates[-2]:
+                if _settled(_window_rates(streams, edges)):
                     break
             tg.cancel_scope.cancel()  # in-flight requests are cancelled (and aborted) at the end
     rates = _window_rates(streams, edges)
@@ -353,13 +349,19 @@ def _window_rates(streams: list[list[Any]], edges: list[float]) -> list[float]:
     return out
 
 
+def _settled(rates: list[float]) -> bool:
+    """True when the last of ``rates`` (tok/s, oldest first) rose by at most :data:`SETTLED_RISE` over the
+    one before (a single reading has nothing to settle against)."""
+    return len(rates) > 1 and rates[-1] <= (1.0 + SETTLED_RISE) * rates[-2]
+
+
 def settled_capacity(rates: list[float]) -> float:
     """The capacity of consecutive window readings (tok/s, oldest first): the mean of the last two once the
     last rose by at most :data:`SETTLED_RISE` over the one before, else the last (the reading was still
     rising; a single window is its own reading). Raises ``ValueError`` for no readings."""
     if not rates:
         raise ValueError("no window readings")
-    if len(rates) > 1 and rates[-1] <= (1.0 + SETTLED_RISE) * rates[-2]:
+    if _settled(rates):
         return (rates[-1] + rates[-2]) / 2
     return rates[-1]
 
