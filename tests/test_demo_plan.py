@@ -189,6 +189,22 @@ def test_slos_scale_with_the_measured_step_time():
     assert _phases(off, cap(2 * REFERENCE_STEP_S))[0].cfg.tbt == base.tbt
 
 
+def test_the_burst_overload_stretches_with_the_slos():
+    from jitflow_server.demo.calibrate import Capacity
+    from jitflow_server.demo.main import REFERENCE_STEP_S, DemoOptions, _phases, phase_load
+
+    assert phase_load(1.5, 1.0) == 1.5 and phase_load(0.7, 2.0) == 0.7  # no stretch, or under capacity
+    assert phase_load(1.5, 2.0) == pytest.approx(2.0)  # twice the SLOs: twice the queue growth
+    opts = DemoOptions(slos=DemoConfig(grace=20.0))
+    cap = Capacity("k", 200.0, 2 * REFERENCE_STEP_S, 150.0, 200.0 / 150.0, 24, 16.0, "now")
+    normal, burst = _phases(opts, cap)
+    assert normal.load == pytest.approx(0.7) and burst.load == pytest.approx(2.0)
+    assert burst.scale == pytest.approx(2.0 * cap.scale)
+    assert burst.cfg.chat_rate == pytest.approx(2.0 / 0.7 * normal.cfg.chat_rate)
+    off = DemoOptions(slos=DemoConfig(grace=20.0), scale_slos=False)
+    assert _phases(off, cap)[1].load == pytest.approx(1.5)
+
+
 def test_the_command_line_without_its_extras_names_the_install_line():
     code = ("import sys; sys.modules['typer'] = None; sys.modules['rich'] = None\n"
             "from jitflow_server.entry import main; main()")

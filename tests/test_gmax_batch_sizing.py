@@ -64,6 +64,38 @@ def test_chat_tbt_slos_shrink_the_batch_only_as_far_as_they_need():
     assert d.info["batch_size"] == 5
 
 
+def chat_requests(n: int, tbt: float = 0.075) -> list[RequestView]:
+    """``n`` waiting chat requests of 100 tokens with a TBT SLO of ``tbt`` s (t = 100 s)."""
+    return [RequestView(f"c{i}", Kind.LATENCY, 100.0, 50, 0, 100, False, ttft=0.5, tbt=tbt) for i in range(n)]
+
+
+def test_slo_sizing_shrinks_below_n_only_when_all_n_would_break_a_tbt_slo():
+    # 7 chat requests for 8 slots: all 7 together take 0.09 s per token, past the 0.075 s SLO; 5 keep it
+    views = chat_requests(7)
+    slo = make_policy("gmax", batch_sizing="slo", bound_share=1.0)
+    d = slo.schedule(views, ctx(CPU_LIKE))
+    assert d.info["batch_size"] == 5 and len(d.batch) == 5
+    # "goodput" runs every request while N <= B
+    assert len(make_policy("gmax", bound_share=1.0).schedule(views, ctx(CPU_LIKE)).batch) == 7
+    # with a TBT SLO that all 7 keep (0.09 s <= 0.1 s), "slo" runs every request too
+    loose = make_policy("gmax", batch_sizing="slo", bound_share=1.0).schedule(chat_requests(7, 0.1), ctx(CPU_LIKE))
+    assert len(loose.batch) == 7 and loose.info["batch_size"] == 8
+    # deadline requests alone never trigger it, however late the whole batch makes them
+    dl = make_policy("gmax", batch_sizing="slo", bound_share=1.0).schedule(deadline_requests(8, 7.5), ctx(CPU_LIKE))
+    assert len(dl.batch) == 8
+
+
+def test_latency_slo_broken_reads_the_smallest_tbt_of_the_latency_requests():
+    from jitflow_server.scheduler.gmax import latency_slo_broken
+    from jitflow_server.scheduler.snapshot import build_snapshot
+
+    mixed = chat_requests(2, 0.2) + chat_requests(1, 0.05)[:1] + deadline_requests(2, 7.5)
+    mixed[2] = RequestView("tight", Kind.LATENCY, 100.0, 50, 0, 100, False, ttft=0.5, tbt=0.05)
+    assert latency_slo_broken(build_snapshot(mixed), CPU_LIKE)  # 5 requests: 0.07 s > 0.05 s
+    assert not latency_slo_broken(build_snapshot(mixed[:2] + mixed[3:]), CPU_LIKE)  # 0.06 s <= 0.2 s
+    assert not latency_slo_broken(build_snapshot(deadline_requests(8, 1.0)), CPU_LIKE)  # no latency request
+
+
 def test_invalid_batch_sizing_parameters_are_refused():
     with pytest.raises(ValueError, match="batch_sizing"):
         make_policy("gmax", batch_sizing="half")

@@ -33,15 +33,25 @@ from jitflow_server.scheduler.adapt import CutoffAdapter
 from jitflow_server.scheduler.gmax_estimates import Estimates, estimate_speeds, fill_nan
 from jitflow_server.scheduler.gmax_params import GMAXParams
 from jitflow_server.scheduler.snapshot import (
+    LATENCY,
     Snapshot,
     SnapshotCache,
     build_snapshot,
     validate_context,
 )
-from jitflow_server.scheduler.types import Decision, RequestView, SchedContext
+from jitflow_server.scheduler.types import Decision, RequestView, SchedContext, TokenTimeModel
 
-#: Batch sizes GMAX's ``batch_sizing="goodput"`` tries besides B (when N > B), as fractions of B.
+#: Batch sizes GMAX's ``batch_sizing`` tries besides B (when N > B), as fractions of B; with N ≤ B
+#: (``"slo"`` only), N and the same fractions of N.
 BATCH_FRACTIONS = (0.875, 0.75, 0.625, 0.5, 0.375, 0.25)
+
+
+def latency_slo_broken(snap: Snapshot, model: TokenTimeModel) -> bool:
+    """True when running all ``snap.n`` requests together would put a latency request past its TBT SLO:
+    ``model.token_time(N)`` (s per token at batch N) above the smallest ``tbt`` (s) of the snapshot's
+    latency requests. GMAX's ``batch_sizing="slo"`` sizes a frame of N ≤ B requests only then."""
+    lat = snap.kind == LATENCY
+    return bool(lat.any()) and model.token_time(snap.n) > float(np.nanmin(snap.tbt[lat]))
 
 
 def default_fair(snap: Snapshot, ctx: SchedContext) -> np.ndarray:
@@ -307,13 +317,18 @@ class GMAXPolicy:
         batch shrinks only when more requests want to run than B slots hold. (Sizing below N at moderate
         load left out the requests the estimates judged infeasible, started deadline requests included,
         and they waited until their clients gave up although stock vLLM served them on time: 4 of 9
-        deadline requests missed at 0.7× capacity on the real engine.)
+        deadline requests missed at 0.7× capacity on the real engine.) ``"slo"``: as ``"goodput"``, and
+        with N ≤ B the sizes are N and fractions of it, scored the same way, but only in a frame where
+        running all N would put a latency request past its TBT SLO (:func:`latency_slo_broken`); at a
+        load where the whole batch keeps every TBT, every request runs as with ``"goodput"``.
         """
-        model, b = ctx.token_time_model, ctx.batch_size
-        if self.params.batch_sizing == "full" or model is None or model.per_request_s <= 0 or snap.n <= b:
+        model, b, mode = ctx.token_time_model, ctx.batch_size, self.params.batch_sizing
+        if (mode == "full" or model is None or model.per_request_s <= 0
+                or (snap.n <= b and (mode == "goodput" or not latency_slo_broken(snap, model)))):
             prio, est = self.score(snap, ctx, served)
             return ctx, prio, est
-        sizes = sorted({b, *(k for f in BATCH_FRACTIONS if 1 <= (k := round(b * f)) < b)}, reverse=True)
+        top = min(b, snap.n)  # with N <= B ("slo" only), the sizes are N and fractions of it
+        sizes = sorted({top, *(k for f in BATCH_FRACTIONS if 1 <= (k := round(top * f)) < top)}, reverse=True)
         # every size scored in one vectorised pass: 3.5x less frame time than one pass per size, same result
         ctxs = [ctx.resized(k, model.token_time(k)) for k in sizes]
         prios, ests = self.score_speeds(snap, ctxs, served)
@@ -324,6 +339,9 @@ class GMAXPolicy:
             rate = float(rates[r, idx].sum())
             if r == 0 or rate > best_rate * (1.0 + self.params.batch_margin):
                 best_r, best_rate = r, rate
+        if best_r == 0 and snap.n <= b:  # every request runs: the frame of the unsized path, unchanged
+            prio, est = self.score(snap, ctx, served)
+            return ctx, prio, est
         return ctxs[best_r], prios[best_r], ests.row(best_r)
 
     def _preemption(

@@ -187,7 +187,10 @@ class GMAXParams:
       (``SchedContext.token_time_model``; :meth:`GMAXPolicy._sized`); a smaller size must earn
       ``batch_margin`` [0.15] more. On a CPU the step time grows about linearly with the batch (demo
       model: 0.04 s alone, 0.18 s at 32), so a full batch can put every chat request past its TBT SLO
-      and every long deadline request past its deadline; a smaller batch keeps some on time.
+      and every long deadline request past its deadline; a smaller batch keeps some on time. "slo": as
+      "goodput", and with N ≤ B it sizes too, among N and fractions of it, when running all N would
+      put a latency request past its TBT SLO (:func:`~jitflow_server.scheduler.gmax.latency_slo_broken`):
+      on a CPU whose full batch is slow the batch then shrinks before B requests are waiting.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -277,8 +280,8 @@ class GMAXParams:
                 f"compound_priority must be 'aggregate', 'slowest' or 'commit', got {self.compound_priority!r}")
         if self.compound_value not in ("task", "stage"):
             raise ValueError(f"compound_value must be 'task' or 'stage', got {self.compound_value!r}")
-        if self.batch_sizing not in ("goodput", "full"):
-            raise ValueError(f"batch_sizing must be 'goodput' or 'full', got {self.batch_sizing!r}")
+        if self.batch_sizing not in ("goodput", "full", "slo"):
+            raise ValueError(f"batch_sizing must be 'goodput', 'full' or 'slo', got {self.batch_sizing!r}")
         if not (self.batch_margin >= 0 and np.isfinite(self.batch_margin)):
             raise ValueError(f"batch_margin must be a finite number >= 0, got {self.batch_margin}")
         if not (self.jit_slack >= 0 and np.isfinite(self.jit_slack)):
