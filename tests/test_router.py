@@ -93,6 +93,10 @@ def test_routing_follows_the_measured_speed(replicas):
         assert to_fast + to_slow == 24 + moved, after
         assert to_fast >= 2 * to_slow, after["replicas"]
         assert after["decision_us"]["n"] >= 40  # every call's decision was timed (its speed: bench replicas-real)
+        wall, cpu = after["decision_us"], after["decision_cpu_us"]
+        assert cpu["n"] == wall["n"]
+        # each decision's CPU time lies inside its wall interval, so every order statistic is below
+        assert 0 < cpu["p50"] <= wall["p50"] and cpu["p99"] <= wall["p99"]
 
 
 def test_a_call_queued_behind_a_busy_replica_is_handed_over_to_an_idle_one(replicas):

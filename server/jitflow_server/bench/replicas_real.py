@@ -191,6 +191,7 @@ def register(bench_app: typer.Typer) -> None:
                     m["rerouted"], m["wall_s"] = st["rerouted"] - st0["rerouted"], time.time() - t0
                     m["handed_over"] = st.get("handed_over", 0) - st0.get("handed_over", 0)
                     m["decision_us"] = st.get("decision_us")  # the router's decision time (the last 2 000)
+                    m["decision_cpu_us"] = st.get("decision_cpu_us")  # the same decisions' CPU time
                     runs[name].append(m)
                     con.print(f"seed {seed} {name}: token goodput {m['token_goodput']:.1f} tok/s, request goodput "
                               f"{m['request_goodput']:.3f} req/s, attainment {m['slo_attainment']:.2f}, "
@@ -217,6 +218,13 @@ def register(bench_app: typer.Typer) -> None:
         con.print(_markdown(res))
 
 
+
+def _pair(d: dict[str, float | None] | None) -> str:
+    """``"P50 / P99"`` of a decision-time summary (µs), ``"—"`` when absent (an older front end)."""
+    if not d or d.get("p50") is None or d.get("p99") is None:
+        return "—"
+    return f"{d['p50']:.0f} / {d['p99']:.0f}"
+
 def _markdown(res: dict) -> str:
     c = res["config"]
     lines = [f"# {len(c['cores'])} real replicas (one core each) behind the router vs one replica",
@@ -229,13 +237,18 @@ def _markdown(res: dict) -> str:
              f"{[round(x) for x in res['engines'].get('alone_tok_s', [])]}; side by side: "
              f"{[round(x) for x in res['engines'].get('together_tok_s', [])]}.", "",
              "| seed | one: token goodput | pool: token goodput | one: request goodput | pool: request goodput "
-             "| pool routed per replica | CPU s of front end + load generator (one; pool) |",
-             "|---:|---:|---:|---:|---:|---|---|"]
+             "| pool routed per replica | CPU s of front end + load generator (one; pool) "
+             "| pool routing decision µs P50 / P99: wall; CPU |",
+             "|---:|---:|---:|---:|---:|---|---|---|"]
     for s, (o, p) in enumerate(zip(res["one"], res["pool"])):
         cpu = "; ".join(f"{r.get('front_end_cpu_s', 0) + r.get('load_generator_cpu_s', 0):.0f} of {r['wall_s']:.0f}"
                         for r in (o, p))
         lines.append(f"| {s} | {o['token_goodput']:.1f} | {p['token_goodput']:.1f} | {o['request_goodput']:.3f} "
-                     f"| {p['request_goodput']:.3f} | {p['routed']} | {cpu} |")
+                     f"| {p['request_goodput']:.3f} | {p['routed']} | {cpu} "
+                     f"| {_pair(p.get('decision_us'))}; {_pair(p.get('decision_cpu_us'))} |")
+    lines += ["", "Decision times are over the front end's last 2 000 decisions, so a seed's row includes the "
+              "seeds before it. The wall time counts the waits for a core the replicas keep busy; the CPU "
+              "time, in the front end's thread, leaves them out."]
     lines += ["", "| pool / one | mean | 95 % interval |", "|---|---:|---:|"]
     for k, v in res["pool_over_one"].items():
         ci = f"± {v['ci95']:.2f}" if v["ci95"] is not None else "—"

@@ -92,6 +92,9 @@ class RemoteEngine(HFTokenizerMixin):
         self._paused = False
         self.counts = RouterCounts(routed=[0] * len(self.replicas))
         self._decisions_us: deque[float] = deque(maxlen=2000)  # routing decision times (µs)
+        # the same decisions' CPU time in this thread (µs): on a machine whose cores the replicas keep
+        # busy, the wall time also counts the waits for a core, which the CPU time leaves out
+        self._decisions_cpu_us: deque[float] = deque(maxlen=2000)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -186,6 +189,7 @@ class RemoteEngine(HFTokenizerMixin):
         if not up:
             return -1
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         now = time.time()
         speeds = self._speeds()
         h = req.hints
@@ -199,6 +203,7 @@ class RemoteEngine(HFTokenizerMixin):
         i = self.router.route(rr, backlog)
         if i not in up:  # a router blind to health (round-robin) picked a down replica
             i = min(up, key=lambda j: (work[j], j))
+        self._decisions_cpu_us.append((time.thread_time() - c0) * 1e6)
         self._decisions_us.append((time.perf_counter() - t0) * 1e6)
         return i
 
@@ -405,7 +410,7 @@ class RemoteEngine(HFTokenizerMixin):
     async def stats(self) -> dict[str, Any]:
         """The router's counters and each replica's state (JSON-ready)."""
         speeds = self._speeds()
-        d = sorted(self._decisions_us)
+        d, c = sorted(self._decisions_us), sorted(self._decisions_cpu_us)
         return {
             "policy": "router", "scheduler": "router", "router": self.router.name, "params": {},
             "waiting": sum(r.waiting for r in self.replicas if r.up),
@@ -414,6 +419,8 @@ class RemoteEngine(HFTokenizerMixin):
             **{k: v for k, v in asdict(self.counts).items() if k != "routed"},
             "decision_us": {"n": len(d), "p50": d[len(d) // 2] if d else None,
                             "p99": d[min(len(d) - 1, int(0.99 * len(d)))] if d else None},
+            "decision_cpu_us": {"n": len(c), "p50": c[len(c) // 2] if c else None,
+                                "p99": c[min(len(c) - 1, int(0.99 * len(c)))] if c else None},
             "replicas": [{
                 "url": r.url, "up": r.up, "last_error": r.last_error, "last_seen": r.last_seen,
                 "running": r.running, "waiting": r.waiting, "routed": self.counts.routed[i],
