@@ -218,12 +218,12 @@ def register(bench_app: typer.Typer) -> None:
         con.print(_markdown(res))
 
 
-
 def _pair(d: dict[str, float | None] | None) -> str:
     """``"P50 / P99"`` of a decision-time summary (µs), ``"—"`` when absent (an older front end)."""
     if not d or d.get("p50") is None or d.get("p99") is None:
         return "—"
     return f"{d['p50']:.0f} / {d['p99']:.0f}"
+
 
 def _markdown(res: dict) -> str:
     c = res["config"]

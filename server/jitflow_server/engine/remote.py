@@ -35,7 +35,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
@@ -410,17 +410,13 @@ class RemoteEngine(HFTokenizerMixin):
     async def stats(self) -> dict[str, Any]:
         """The router's counters and each replica's state (JSON-ready)."""
         speeds = self._speeds()
-        d, c = sorted(self._decisions_us), sorted(self._decisions_cpu_us)
         return {
             "policy": "router", "scheduler": "router", "router": self.router.name, "params": {},
             "waiting": sum(r.waiting for r in self.replicas if r.up),
             "running": sum(r.running for r in self.replicas if r.up),
             "unfinished": len(self._flights), "service": None,
             **{k: v for k, v in asdict(self.counts).items() if k != "routed"},
-            "decision_us": {"n": len(d), "p50": d[len(d) // 2] if d else None,
-                            "p99": d[min(len(d) - 1, int(0.99 * len(d)))] if d else None},
-            "decision_cpu_us": {"n": len(c), "p50": c[len(c) // 2] if c else None,
-                                "p99": c[min(len(c) - 1, int(0.99 * len(c)))] if c else None},
+            "decision_us": _p50_p99(self._decisions_us), "decision_cpu_us": _p50_p99(self._decisions_cpu_us),
             "replicas": [{
                 "url": r.url, "up": r.up, "last_error": r.last_error, "last_seen": r.last_seen,
                 "running": r.running, "waiting": r.waiting, "routed": self.counts.routed[i],
@@ -453,3 +449,10 @@ class RemoteEngine(HFTokenizerMixin):
     def num_unfinished_frontend(self) -> int:
         """Requests in flight at the front end."""
         return len(self._flights)
+
+
+def _p50_p99(values: Iterable[float]) -> dict[str, float | int | None]:
+    """``{"n", "p50", "p99"}`` of ``values`` (nearest rank; None when empty)."""
+    v = sorted(values)
+    n = len(v)
+    return {"n": n, "p50": v[n // 2] if v else None, "p99": v[min(n - 1, int(0.99 * n))] if v else None}
