@@ -89,8 +89,8 @@ def test_latency_slo_broken_reads_the_smallest_tbt_of_the_latency_requests():
     from jitflow_server.scheduler.gmax import latency_slo_broken
     from jitflow_server.scheduler.snapshot import build_snapshot
 
-    mixed = chat_requests(2, 0.2) + chat_requests(1, 0.05)[:1] + deadline_requests(2, 7.5)
-    mixed[2] = RequestView("tight", Kind.LATENCY, 100.0, 50, 0, 100, False, ttft=0.5, tbt=0.05)
+    tight = RequestView("tight", Kind.LATENCY, 100.0, 50, 0, 100, False, ttft=0.5, tbt=0.05)
+    mixed = [*chat_requests(2, 0.2), tight, *deadline_requests(2, 7.5)]
     assert latency_slo_broken(build_snapshot(mixed), CPU_LIKE)  # 5 requests: 0.07 s > 0.05 s
     assert not latency_slo_broken(build_snapshot(mixed[:2] + mixed[3:]), CPU_LIKE)  # 0.06 s <= 0.2 s
     assert not latency_slo_broken(build_snapshot(deadline_requests(8, 1.0)), CPU_LIKE)  # no latency request
