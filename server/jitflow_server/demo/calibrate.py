@@ -32,7 +32,7 @@ from jitflow_server.demo.plan import BASE_MIX, BaseMix
 from jitflow_server.settings import env_settings
 
 #: Bump when the measurement changes meaning (old cache entries are then ignored).
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 #: Seconds of closed-loop load before the counting window opens (the loop starts with 2·B requests at
 #: once). The measurement is noisy, and not from a short warm-up: on a fresh server of the demo model
 #: (float32, 2 cores), measurements in a row (fresh prompts each) read 142-213 output tok/s with 6 s and 146-197 with
@@ -141,7 +141,8 @@ def capacity_warning(cap: Capacity, speed: dict[str, dict[str, float | None]],
 
 def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | None = None) -> str:
     """Cache key of a capacity measurement: CPU model, cores, speed flags, model, dtype, B, vLLM version,
-    and ``cores``, the cores the engine's compute threads were bound to (None: vLLM's own binding)."""
+    and ``cores``, the cores the engine's compute threads were bound to (None: an unbound engine on every
+    core, ``jitflow serve --cpu-engine single``)."""
     cpu, flags = "unknown-cpu", set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -54,7 +54,7 @@ def resolve_capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: lis
     model's training, and after :func:`warm_engine`, since the stored probe was taken on a warm engine)
     and compared with the probe stored with it (:func:`is_stale`); a changed speed measures again.
     ``ready`` holds the measurement's window shut (see :func:`measure_capacity`).
-    ``cores``: the cores the engine's compute threads are bound to (None: vLLM's own binding), part of
+    ``cores``: the cores the engine's compute threads are bound to (None: unbound, on every core), part of
     the cache key. ``also``: more servers loaded the same way at the same time, so that ``url``'s engine
     is measured while theirs are as busy as in the phases; their own readings are not used (under a
     jitflow policy a reading measures the policy's admission and batch sizing as much as the engine).

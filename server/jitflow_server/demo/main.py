@@ -173,6 +173,8 @@ class _Run:
         self.measured_on: set[str] = set()
         # per jitflow side: the analyzer's call-time model after its last phase (``probe``)
         self.time_model: dict[str, dict[str, Any]] = {}
+        # per side: the vLLM-cpu process layout its server reports (``jitflow serve --cpu-engine``)
+        self.cpu_engine: dict[str, str | None] = {}
 
     def launch(self, k: int) -> ServerProcess:
         """Start side ``k``'s server (a jitflow server's analyzer follows its engine's measured speed, or
@@ -190,6 +192,7 @@ class _Run:
     def greet(self, side: Side, startup: float, clock: _Stopwatch) -> None:
         """After ``side``'s server answers: say so, and send the warm-up requests (``warmup_s``)."""
         srv = self.servers[side.label]
+        self.cpu_engine[side.label] = engine_state(srv.base_url).get("cpu_engine")
         where = f" (engine on core(s) {self.cores[self.sides.index(side)]})" if self.cores else ""
         self.console.print(f"[bold]{side.label}[/bold] server ready in {startup:.0f} s ("
                            f"{'stock vLLM scheduler, no plug-in' if side.scheduler == 'vllm' else 'jitflow plug-in'})"
@@ -395,6 +398,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         report = build_report(opts, r.cap, r.phases, sides, r.runs, length, r.served, REPORT_VERSION)
         report["together"] = bool(cores)
         report["cores"] = dict(zip((s.label for s in sides), cores, strict=True)) if cores else None
+        report["cpu_engine"] = r.cpu_engine
         report["speed_probe_tbt_s"] = r.speed
         report["slo_factor"] = slo_factor(opts, r.cap)
         report["slo_reference_step_s"] = REFERENCE_STEP_S

