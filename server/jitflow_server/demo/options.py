@@ -135,7 +135,7 @@ def cpu_engine(cores: str | None) -> str:
     compute threads are bound to ``cores`` (the sides run at once; only the split worker binds threads),
     else ``single``, the worker inside the engine-core process computing on every core. On a 2-core Xeon
     ``single`` served 1.7x the output tokens per second of vLLM's default ``split`` layout, which leaves
-    one core to the API, and started 11 s sooner (docs/demo-model.md)."""
+    one core to the API, and became healthy 11-14 s sooner (docs/demo-model.md)."""
     return "split" if cores else "single"
 
 
