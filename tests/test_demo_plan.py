@@ -237,3 +237,19 @@ def test_the_capacity_is_read_once_the_windows_settle(rates, expected):
     assert settled_capacity(rates) == pytest.approx(expected)
     with pytest.raises(ValueError):
         settled_capacity([])
+
+
+def test_a_phase_may_end_once_nothing_left_can_meet_its_slo():
+    """The load runner ends a phase early only when every job still running is past its deadline: deadline
+    requests by their own deadline (or the phase's), agent tasks by theirs, chat requests never."""
+    from jitflow_server.demo.plan import LoadItem
+    from jitflow_server.demo.runner import is_past_due
+
+    task = LoadItem(10.0, "tot", deadline=45.0)
+    assert not is_past_due(task, 54.9, request_deadline=20.0)
+    assert is_past_due(task, 55.1, request_deadline=20.0)
+    own = LoadItem(5.0, "deadline", "q", 64, deadline=8.0)
+    assert not is_past_due(own, 12.9, request_deadline=20.0) and is_past_due(own, 13.1, request_deadline=20.0)
+    phase = LoadItem(5.0, "deadline", "q", 64)  # no deadline of its own: the phase's
+    assert not is_past_due(phase, 24.9, request_deadline=20.0) and is_past_due(phase, 25.1, request_deadline=20.0)
+    assert not is_past_due(LoadItem(0.0, "chat", "hi", 16), 1e6, request_deadline=20.0)

@@ -82,6 +82,43 @@ def test_children_of_a_killed_parent_are_reaped(tmp_path):
 
 
 @pytest.mark.engine
+def test_a_server_stops_when_the_process_that_started_it_is_killed(tmp_path, short_tmp):
+    """The demo, benchmarks and tests start servers in a process group of their own, which a signal to
+    the starting process does not reach: killed with SIGKILL, the starter leaves its server (and the
+    engine) to stop by itself (``JITFLOW_PARENT_PID``, ``exit_with_parent``)."""
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from jitflow_server.bench.server_process import ServerProcess, free_port, jitflow_command
+        srv = ServerProcess(jitflow_command("serve", "--model", "tiny", "--port", str(free_port()), "--history-db",
+                                            {str(tmp_path / "h.sqlite")!r}, "--no-length-predictor"),
+                            Path({str(tmp_path / "server.log")!r}), env={{"TMPDIR": {str(short_tmp)!r}}})
+        srv.start()
+        srv.wait_healthy()
+        print(srv.proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server: list[psutil.Process] = []
+    try:
+        line = starter.stdout.readline()
+        assert line.strip().isdigit(), f"the server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}"
+        leader = psutil.Process(int(line))
+        server = [leader, *leader.children(recursive=True)]
+        assert any("VLLM" in p.name() or "python" in p.name() for p in server[1:]), "no engine process seen"
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait(10)
+        left = _wait_gone(server, 60.0)
+        assert not left, f"still running 60 s after its starter was killed: {[(p.pid, p.name()) for p in left]}"
+    finally:
+        for p in server:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if starter.poll() is None:
+            starter.kill()
+
+
+@pytest.mark.engine
 def test_engine_processes_die_with_a_killed_server(tmp_path, short_tmp):
     tmp = short_tmp  # the server's temporary folder: vLLM's IPC sockets land under it
     srv = ServerProcess(jitflow_command("serve", "--model", "tiny", "--port", str(free_port()), "--history-db",

@@ -152,7 +152,7 @@ def register(app: typer.Typer) -> None:
 
         from jitflow_server.api.app import ServerSettings, create_app
         from jitflow_server.engine.demo_model import resolve_model
-        from jitflow_server.engine.reaper import private_rpc_dir, start_orphan_reaper
+        from jitflow_server.engine.reaper import exit_with_parent, private_rpc_dir, start_orphan_reaper
         from jitflow_server.engine.vllm_engine import (
             CPU_ENGINES,
             DTYPES,
@@ -162,6 +162,7 @@ def register(app: typer.Typer) -> None:
         )
         from jitflow_server.scheduler import POLICY_NAMES, make_policy
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
+        from jitflow_server.settings import env_settings
 
         if dtype not in DTYPES:
             raise typer.BadParameter(f"choose one of {list(DTYPES)}", param_hint="--dtype")
@@ -239,6 +240,9 @@ def register(app: typer.Typer) -> None:
             # vLLM's engine processes die with this one, even after kill -9, and their IPC sockets go too
             start_orphan_reaper(remove=[d for d in [private_rpc_dir()] if d])
             served_engine = VLLMEngine(cfg)
+        parent = env_settings().parent_pid
+        if parent is not None:  # started by the demo, a benchmark or a test: do not outlive it
+            exit_with_parent(parent)
         config = uvicorn.Config(create_app(served_engine, settings, owns_engine=True), host=host, port=port,
                                 log_level=log_level, timeout_graceful_shutdown=drain_timeout,
                                 # longer than clients keep idle connections (httpx: 5 s), so a client never

@@ -11,6 +11,7 @@
 | ``JITFLOW_TIME_MODEL`` | ``DECODE_S,PREFILL_S``: pins the analyzer's call-time model (s per token) | the engine's measured speed |
 | ``JITFLOW_DTYPE`` | model dtype when ``--dtype auto`` | ``auto`` |
 | ``JITFLOW_OTEL_EXPORTER`` | ``console``, ``file:PATH`` or ``otlp``: export the server's spans | off |
+| ``JITFLOW_PARENT_PID`` | ``jitflow serve`` stops when this process (its parent) is gone; set by the demo, benchmarks and tests | off |
 
 ``jitflow serve`` sets some of them from its options before the app starts, and tests change them per test,
 so :func:`env_settings` reads the environment each time it is called. Empty values count as unset.
@@ -38,6 +39,7 @@ class EnvSettings(BaseSettings):
     time_model: str = ""
     dtype: str = "auto"
     otel_exporter: str = ""
+    parent_pid: int | None = None
 
     def cache_dir(self) -> Path:
         """``cache`` or ``~/.cache/jitflow``."""

@@ -81,7 +81,8 @@ class ServerProcess:
 
     def start(self) -> None:
         """Spawn the server (returns at once)."""
-        env = {**os.environ, **self.env}
+        # the server stops when this process is gone, even killed (engine/reaper.py: exit_with_parent)
+        env = {**os.environ, "JITFLOW_PARENT_PID": str(os.getpid()), **self.env}
         if self.log_path is not None:
             with open(self.log_path, "wb") as fh:
                 self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,

@@ -45,8 +45,11 @@ CAPACITY_WARMUP_S = 6.0
 #: their prompts take longer than the warm-up: on a 2-core Xeon with avx512_bf16 and no AMX (2026-11-28)
 #: the first 10 s window read 5 output tok/s and the next two 145 and 136. One 16 s window right after the
 #: warm-up read 69 and 79 tok/s on two fresh servers there; phases sized from 69 ran far below what the
-#: engine serves, and neither scheduler missed an SLO.
-CAPACITY_ROUNDS = 4
+#: engine serves, and neither scheduler missed an SLO. Three windows of 8 s (``DemoOptions.calibration_window``)
+#: keep the whole measurement within 30 s: four of 10 s took 55 s on a machine's first run (2026-11-29, the
+#: same Xeon, engine on both cores: 192, 215, 238, 240 tok/s), while the usual reading settles by the second
+#: window (252, 221 and 209, 218 on two other first runs there).
+CAPACITY_ROUNDS = 3
 #: The rise from one counting window to the next up to which the reading counts as settled (0.10: +10 %).
 SETTLED_RISE = 0.10
 

@@ -84,7 +84,7 @@ class DemoOptions:
     burst_load: float = 1.5
     capacity_scale: float | None = None
     recalibrate: bool = False
-    calibration_window: float = 10.0
+    calibration_window: float = 8.0
     slos: DemoConfig = field(default_factory=lambda: DemoConfig(grace=20.0))
     seed: int = 0
     out: Path = Path("demo-report.json")

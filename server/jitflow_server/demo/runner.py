@@ -37,6 +37,15 @@ def _task_without_report(job: LoadItem, outcome: str, error: str) -> dict[str, A
             "outcome": outcome, "deadline": job.deadline, "elapsed": None, "stages": [], "tokens": 0, "error": error}
 
 
+def is_past_due(job: LoadItem, elapsed: float, request_deadline: float) -> bool:
+    """True for a deadline request or agent task whose deadline has passed ``elapsed`` s into the load: it
+    has missed its SLO whatever happens next. A chat request's SLO is per token, so never. A deadline
+    request without its own deadline has ``request_deadline`` (s, the phase's)."""
+    if job.kind == "chat":
+        return False
+    return elapsed > job.t + (job.deadline or request_deadline)
+
+
 async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) -> ReqRecord:
     import anyio
 
@@ -129,11 +138,20 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                 gave_up = f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline"
                 done[job.idx] = ({**ran, "outcome": "deadline_missed", "error": gave_up} if ran
                                  else _task_without_report(job, "deadline_missed", gave_up))
+            except anyio.get_cancelled_exc_class():
+                if past_due(job):  # the phase ended with nothing left that could meet an SLO (below)
+                    why = "past its deadline when the phase ended"
+                    done[job.idx] = ({**ran, "outcome": "deadline_missed", "error": why} if ran
+                                     else _task_without_report(job, "deadline_missed", why))
+                raise
             except Exception as e:  # an app bug must not abort the whole demo: report it as failed
                 done[job.idx] = _task_without_report(job, "failed", f"{type(e).__name__}: {e}")
 
         jobs = [j for j in plan.jobs if j.kind in ("chat", "deadline") or run_research is not None]
         t0 = time.monotonic()
+
+        def past_due(job: LoadItem) -> bool:
+            return is_past_due(job, time.monotonic() - t0, cfg.deadline)
         own = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console)
         with own if progress is None else contextlib.nullcontext(progress) as prog:
             bar = prog.add_task(f"[{label}] load", total=cfg.duration)
@@ -161,12 +179,16 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                             await anyio.sleep(delay)
                         jobs_tg.start_soon(run_job, job)
                     # Chat requests get ``grace`` s after the load; deadline requests and tasks until the
-                    # client gives up on them (GIVE_UP_AFTER_S s past their deadline).
-                    give_up = max([j.t + (j.deadline or 0) + GIVE_UP_AFTER_S + 1 for j in jobs if j.kind != "chat"],
-                                  default=0.0)
+                    # client gives up on them (GIVE_UP_AFTER_S s past their deadline), or until every job
+                    # still running is past its deadline: what is left can no longer meet an SLO, and
+                    # waiting for it only lengthens the run (up to GIVE_UP_AFTER_S s per burst phase).
+                    give_up = max([j.t + (j.deadline or cfg.deadline) + GIVE_UP_AFTER_S + 1 for j in jobs
+                                   if j.kind != "chat"], default=0.0)
                     wait_end = max(cfg.duration + cfg.grace, give_up) + t0 - time.monotonic()
                     with anyio.move_on_after(wait_end):
                         while len(done) < len(jobs):
+                            if all(j.idx in started and past_due(j) for j in jobs if j.idx not in done):
+                                break
                             await anyio.sleep(0.2)
                     jobs_tg.cancel_scope.cancel()
                 tg.cancel_scope.cancel()

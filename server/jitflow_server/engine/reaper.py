@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
@@ -127,3 +128,39 @@ def watch(server_pid: int, poll_s: float = POLL_S, remove: Sequence[str] = ()) -
 def _remove(folders: Sequence[str]) -> None:
     for d in folders:
         shutil.rmtree(d, ignore_errors=True)
+
+
+#: Seconds a server told to stop because its parent died (:func:`exit_with_parent`) has to shut down
+#: gracefully before it kills its own process group.
+PARENT_GONE_GRACE_S = 30.0
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = POLL_S,
+                     grace_s: float = PARENT_GONE_GRACE_S) -> threading.Thread | None:
+    """Stop this server when the process that started it (``parent_pid``) is gone: a daemon thread
+    checks every ``poll_s`` s whether this process was re-parented, then sends itself SIGTERM (uvicorn's
+    graceful shutdown, which stops the engine) and, if it is still alive ``grace_s`` s later, SIGKILLs
+    its process group. Returns the thread, or None when the parent is already gone or is not this
+    process's parent (nothing is watched then).
+
+    The demo, the benchmarks and the tests start servers in a process group of their own (so that one
+    ``killpg`` stops the engine with them); a SIGTERM or SIGKILL to the starting process never reaches
+    them, and they used to run on, engine and all, after the run that started them was killed. They set
+    ``JITFLOW_PARENT_PID`` (:class:`~jitflow_server.bench.server_process.ServerProcess`), which makes
+    ``jitflow serve`` call this.
+    """
+    if parent_pid <= 1 or os.getppid() != parent_pid:
+        return None
+
+    def run() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    t = threading.Thread(target=run, name="exit-with-parent", daemon=True)
+    t.start()
+    return t
