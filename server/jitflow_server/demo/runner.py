@@ -152,6 +152,7 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
 
         def past_due(job: LoadItem) -> bool:
             return is_past_due(job, time.monotonic() - t0, cfg.deadline)
+
         own = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console)
         with own if progress is None else contextlib.nullcontext(progress) as prog:
             bar = prog.add_task(f"[{label}] load", total=cfg.duration)
