@@ -37,6 +37,14 @@ def _task_without_report(job: LoadItem, outcome: str, error: str) -> dict[str, A
             "outcome": outcome, "deadline": job.deadline, "elapsed": None, "stages": [], "tokens": 0, "error": error}
 
 
+def _missed_task(job: LoadItem, ran: dict[str, Any], why: str) -> dict[str, Any]:
+    """The record of an agent task stopped past its deadline: the report of the stages it ran (``ran``,
+    empty when it left none) as ``deadline_missed`` with ``why``."""
+    if ran:
+        return {**ran, "outcome": "deadline_missed", "error": why}
+    return _task_without_report(job, "deadline_missed", why)
+
+
 def is_past_due(job: LoadItem, elapsed: float, request_deadline: float) -> bool:
     """True for a deadline request or agent task whose deadline has passed ``elapsed`` s into the load: it
     has missed its SLO whatever happens next. A chat request's SLO is per token, so never. A deadline
@@ -135,14 +143,10 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                                           on_cancel=keep)
                 done[job.idx] = r.report.to_dict()
             except TimeoutError:
-                gave_up = f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline"
-                done[job.idx] = ({**ran, "outcome": "deadline_missed", "error": gave_up} if ran
-                                 else _task_without_report(job, "deadline_missed", gave_up))
+                done[job.idx] = _missed_task(job, ran, f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline")
             except anyio.get_cancelled_exc_class():
                 if past_due(job):  # the phase ended with nothing left that could meet an SLO (below)
-                    why = "past its deadline when the phase ended"
-                    done[job.idx] = ({**ran, "outcome": "deadline_missed", "error": why} if ran
-                                     else _task_without_report(job, "deadline_missed", why))
+                    done[job.idx] = _missed_task(job, ran, "past its deadline when the phase ended")
                 raise
             except Exception as e:  # an app bug must not abort the whole demo: report it as failed
                 done[job.idx] = _task_without_report(job, "failed", f"{type(e).__name__}: {e}")
