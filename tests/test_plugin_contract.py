@@ -47,7 +47,7 @@ def test_hints_map_onto_the_monotonic_clock_relative_to_front_end_arrival():
     unix_now, mono_now = time.time(), time.monotonic()
     h = SchedHints(kind=Kind.COMPOUND, request_id="chatcmpl-x", arrival=unix_now - 2.0, deadline=10.0,
                    sub_deadline=4.0, waiting_time=5.0, task_id="t1", stage_index=1, len_bound=77)
-    m = plugin._Meta(_request(h, unix_now), h, mono_now, unix_now)
+    m = plugin.RequestMeta(_request(h, unix_now), h, mono_now, unix_now)
     assert m.front_id == "chatcmpl-x" and m.kind is Kind.COMPOUND and m.task == "t1" and m.stage == 1
     assert m.arrival == pytest.approx(mono_now - 2.0)
     assert m.deadline == pytest.approx(mono_now + 8.0)
@@ -57,7 +57,7 @@ def test_hints_map_onto_the_monotonic_clock_relative_to_front_end_arrival():
 
 def test_request_without_hints_is_best_effort_from_its_engine_arrival():
     unix_now, mono_now = time.time(), time.monotonic()
-    m = plugin._Meta(_request(None, unix_now - 1.0), None, mono_now, unix_now)
+    m = plugin.RequestMeta(_request(None, unix_now - 1.0), None, mono_now, unix_now)
     assert m.kind is Kind.BEST_EFFORT and m.front_id == "engine-1" and m.len_bound is None
     assert m.arrival == pytest.approx(mono_now - 1.0)
 

@@ -247,3 +247,48 @@ def test_peer_baselines_schedule_the_real_engine(server_url, policy, name):
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in replies)
     st = httpx.get(server_url + "/v1/jitflow/engine", timeout=10).json()
     assert st["policy"] == name and st["frames"] > frames0
+
+
+def _paced_run(c: httpx.Client, url: str, ttft: float = 2.0, feeders: int = 4, prompt_tokens: int = 3000) -> int:
+    """A chat request decoding while long prompts keep arriving; returns how many steps the plug-in's prefill
+    budget cut meanwhile (``paced_steps``).
+
+    The chat's TBT SLO (1 ms) is far below any step, so the time left until its next token is due falls
+    with the wall clock, from its TTFT through zero: whatever the machine's speed, there is a step in
+    which that slack is below what a full prefill chunk takes. ``feeders`` clients keep a prompt waiting
+    for prefill (``max_tokens`` 1 each, a bounded loop) from the chat's first token until a second after
+    its TTFT has passed, so one is waiting at that step."""
+    import concurrent.futures as cf
+
+    paced0 = c.get("/v1/jitflow/engine").json()["paced_steps"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "ignore_eos": True,
+            "slo": {"kind": "latency", "ttft": ttft, "tbt": 0.001}}
+
+    def feed(i: int, until: float) -> list[int]:
+        codes = []
+        while time.time() < until and len(codes) < 200:
+            doc = {"model": "tiny", "prompt": [10 + (i * 7 + len(codes) * 13 + k) % 1900 for k in range(prompt_tokens)],
+                   "max_tokens": 1, "slo": {"kind": "deadline", "deadline": 600}}
+            codes.append(httpx.post(url + "/v1/completions", json=doc, timeout=600).status_code)
+        return codes
+
+    with cf.ThreadPoolExecutor(feeders + 1) as ex:
+        t0 = time.time()
+        reply = ex.submit(httpx.post, url + "/v1/chat/completions", json=chat, timeout=600)
+        wait_for(c, lambda s: s["running"] >= 1, "the chat request running", [])
+        fed = [ex.submit(feed, i, t0 + ttft + 1.0) for i in range(feeders)]
+        codes = [code for f in fed for code in f.result()]
+        r = reply.result()
+    assert r.status_code == 200, r.text[:300]
+    assert codes and set(codes) == {200}, codes
+    return c.get("/v1/jitflow/engine").json()["paced_steps"] - paced0
+
+
+def test_gmax_caps_each_steps_prefill_by_the_slack_of_a_decoding_chat(server_url, policy):
+    """GMAX's per-step prefill budget reaches vLLM: steps are cut below the engine's 2,048 tokens while a chat
+    request's slack is short; with ``prefill_budget="fixed"`` (vLLM's own chunking) none is."""
+    policy("gmax", batch_size=16, prefill_budget="fixed")
+    with httpx.Client(base_url=server_url, timeout=60) as c:
+        assert _paced_run(c, server_url) == 0
+        policy("gmax", batch_size=16)
+        assert _paced_run(c, server_url) > 0

@@ -18,8 +18,11 @@ by (1) preempting the chosen victims through vLLM's own ``_preempt_request``
 (recompute: KV freed), (2) showing the base scheduler, for this step only, the
 chosen running requests in plan order and a waiting queue holding only the chosen
 waiting requests, with the active cap set to B, (3) restoring the hidden requests
-afterwards. Hidden running requests keep their KV (paused, not preempted). The scheduler
-internals this relies on are listed in ``engine/vllm_compat.py`` and checked at start-up.
+afterwards. Hidden running requests keep their KV (paused, not preempted). Under a policy that paces
+prefill (GMAX's ``prefill_budget="slack"``), running prompts ranked below a waiting latency request are
+hidden for the step too, and the step's token budget (``max_num_scheduled_tokens``) is cut to the slack
+of the decoding latency requests (:meth:`JitflowScheduler._pace`, ``scheduler/prefill_budget.py``). The
+scheduler internals this relies on are listed in ``engine/vllm_compat.py`` and checked at start-up.
 
 Control calls from the jitflow server (:class:`~jitflow_server.engine.protocol.EngineCall`: push
 refined hints, reject requests not admitted within their ``waiting_time`` (JITServe §5 admission
@@ -43,11 +46,14 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
+from jitflow_server.engine.plugin_state import RequestMeta, plan_dump
 from jitflow_server.engine.protocol import EngineCall
 from jitflow_server.engine.vllm_compat import TESTED_VLLM, missing_vllm_internals, plugin_settings
 from jitflow_server.scheduler import RequestView, SchedContext, make_policy
 from jitflow_server.scheduler.hints import SIMULATOR_ONLY, HintsError, HintUpdate, SchedHints
-from jitflow_server.scheduler.lifecycle import IllegalTransition, Lifecycle, RequestState
+from jitflow_server.scheduler.lifecycle import IllegalTransition, RequestState
+from jitflow_server.scheduler.prefill_budget import min_decode_slack, prefill_token_budget, prefills_to_defer
+from jitflow_server.scheduler.types import Kind
 from jitflow_server.tracker.service import AttainedService
 from jitflow_server.tracker.steps import StepTimeTracker
 
@@ -59,31 +65,6 @@ PASSTHROUGH = {"fcfs", "vllm"}
 _DONE_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 #: The engine-core utility method that carries control calls (see the module docstring).
 CONTROL_METHOD = "jitflow_control"
-class _Meta:
-    """What the plug-in keeps per engine request: its hints on the engine's monotonic clock."""
-
-    __slots__ = ("front_id", "kind", "arrival", "ttft", "tbt", "deadline", "sub_deadline", "waiting_time",
-                 "task", "stage", "len_bound", "task_tokens_est", "task_rem_gen_time", "life")
-
-    def __init__(self, req: Request, hints: SchedHints | None, mono_now: float, unix_now: float) -> None:
-        h = hints or SchedHints()
-        self.front_id = h.request_id or req.request_id
-        self.kind = h.kind
-        arrival_unix = h.arrival if h.arrival is not None else float(req.arrival_time)
-        self.arrival = mono_now - max(0.0, unix_now - arrival_unix)
-        self.ttft = h.ttft
-        self.tbt = h.tbt
-        self.deadline = self.arrival + h.deadline if h.deadline is not None else None
-        self.sub_deadline = self.arrival + h.sub_deadline if h.sub_deadline is not None else None
-        self.waiting_time = h.waiting_time
-        self.task = h.task_id
-        self.stage = h.stage_index
-        self.len_bound = h.len_bound
-        self.task_tokens_est = h.task_tokens_est
-        self.task_rem_gen_time = h.task_rem_gen_time
-        self.life = Lifecycle(self.arrival)
-
-
 class JitflowScheduler(Scheduler):
     """vLLM ``Scheduler`` subclass driven by the jitflow policy core (GMAX or a baseline).
 
@@ -100,8 +81,11 @@ class JitflowScheduler(Scheduler):
             logger.warning("jitflow plug-in tested with vLLM %s, running on %s", TESTED_VLLM, vllm.__version__)
         policy, params, self.batch_size = plugin_settings(self.vllm_config, self.max_num_running_reqs)
         self._base_active_cap = self.max_num_active_reqs
+        self._base_token_budget = self.max_num_scheduled_tokens
+        self.n_paced_steps = self.n_deferred_prefills = 0  # steps cut by the prefill budget, prompts deferred
+        self._deferred_for: set[str] = set()  # the waiting latency requests the last step deferred prompts for
         self.tracker = StepTimeTracker()
-        self.meta: dict[str, _Meta] = {}
+        self.meta: dict[str, RequestMeta] = {}
         self.by_front_id: dict[str, str] = {}
         self.task_attained = AttainedService()  # LAS: tokens per task, bounded (LRU)
         self.step_no = 0
@@ -153,7 +137,7 @@ class JitflowScheduler(Scheduler):
             logger.error("request %s has invalid jitflow hints (%s); scheduled as best-effort",
                          request.request_id, exc)
             hints = None
-        m = _Meta(request, hints, time.monotonic(), time.time())
+        m = RequestMeta(request, hints, time.monotonic(), time.time())
         self.meta[request.request_id] = m
         self.by_front_id[m.front_id] = request.request_id
         self._event("add", request.request_id, f"{m.kind.value} max_tokens={request.max_tokens}")
@@ -333,11 +317,14 @@ class JitflowScheduler(Scheduler):
         tmp = FCFSRequestQueue()
         for r in wait_sel:
             tmp.append(r)
+        run_sel, hidden, budget = self._pace(run_sel, hidden, wait_sel, chosen, now)
         self.running = run_sel
         self.waiting = tmp
+        self.max_num_scheduled_tokens = budget
         try:
             out = super().schedule(throttle_prefills)
         finally:
+            self.max_num_scheduled_tokens = self._base_token_budget
             scheduled = self.running
             still_running = set(scheduled)
             self.running = scheduled + [r for r in hidden if r not in still_running
@@ -353,6 +340,40 @@ class JitflowScheduler(Scheduler):
         self._mark_scheduled(out, now)
         self._t_sched_end = time.time()
         return out
+
+    def _pace(self, run_sel: list[Request], hidden: list[Request], wait_sel: list[Request], rank: dict[str, int],
+              now: float) -> tuple[list[Request], list[Request], int]:
+        """The step's prefill under a policy that paces it (``scheduler/prefill_budget``): running prompts the
+        plan ranks below a waiting latency request sit the step out, and the token budget is cut to what the
+        step can take without putting a decoding latency request's next token past due, decodes first.
+        Returns ``(run_sel, hidden, token budget)``; unchanged, with the engine's budget, otherwise."""
+        full = self._base_token_budget
+        if not getattr(self.policy, "paces_prefill", False):
+            return run_sel, hidden, full
+
+        def prefilling(r: Request) -> bool:
+            return r.num_output_tokens == 0 or r.num_computed_tokens < r.num_tokens - 1
+
+        latency = {r.request_id for r in wait_sel if (m := self.meta.get(r.request_id)) is not None
+                   and m.kind is Kind.LATENCY}
+        # one deferred for in the last step and still waiting could not be admitted (KV cache): not again
+        defer = prefills_to_defer(rank, [r.request_id for r in run_sel if prefilling(r)], latency - self._deferred_for)
+        self._deferred_for = latency if defer else set()
+        if defer:
+            self.n_deferred_prefills += len(defer)
+            hidden = hidden + [r for r in run_sel if r.request_id in defer]
+            run_sel = [r for r in run_sel if r.request_id not in defer]
+        dec = [r for r in run_sel if not prefilling(r)]
+        if not wait_sel and len(dec) == len(run_sel):
+            return run_sel, hidden, full
+        slack = min_decode_slack(((m.arrival, m.ttft, m.tbt, r.num_output_tokens) for r in dec
+                                  if (m := self.meta.get(r.request_id)) is not None and m.kind is Kind.LATENCY
+                                  and m.ttft is not None and m.tbt is not None), now)
+        budget = prefill_token_budget(slack, len(dec), self.tracker.step_time, full)
+        if budget < full:  # decodes first: the budget holds one token for each of them
+            self.n_paced_steps += 1
+            run_sel = dec + [r for r in run_sel if prefilling(r)]
+        return run_sel, hidden, budget
 
     def _mark_scheduled(self, out, now: float) -> None:
         for rid, n in out.num_scheduled_tokens.items():
@@ -375,34 +396,13 @@ class JitflowScheduler(Scheduler):
         """KV cache size in tokens (0 before the engine has sized it)."""
         return int(self.cache_config.num_gpu_blocks or 0) * int(self.block_size)
 
-    def _plan_dump(self) -> dict:
-        """The last frame: ``{"time": unix s, "batch": [ids], "preempt": [ids], "requests": [{id, kind,
-        running, in_batch, priority, generated, len_bound, input_len, arrival, admit_by, deadline,
-        sub_deadline, task}, ...]}`` with every time in unix seconds (diagnostics; ``{}`` before the first
-        frame or under fcfs)."""
-        if self._last_plan is None:
-            return {}
-        t, views, d = self._last_plan
-        off = time.time() - time.monotonic()
-
-        def unix(x: float | None) -> float | None:
-            return None if x is None else x + off
-
-        batch = set(d.batch)
-        return {"time": unix(t), "frame": d.frame_id, "batch": list(d.batch), "preempt": list(d.preempt),
-                "requests": [{"id": v.req_id, "kind": v.kind.value, "running": v.running, "in_batch": v.req_id in batch,
-                              "priority": d.priorities.get(v.req_id), "generated": v.generated,
-                              "len_bound": v.len_bound, "input_len": v.input_len, "arrival": unix(v.arrival),
-                              "admit_by": unix(v.admit_by), "deadline": unix(v.deadline),
-                              "sub_deadline": unix(v.sub_deadline), "task": v.task_id} for v in views]}
-
     # --------------------------------------------------------------- control
     def control(self, call: str, payload: dict | None = None) -> Any:
         """Answer one :class:`~jitflow_server.engine.protocol.EngineCall` from the jitflow server (run
         between engine steps).
 
         ``stats``; ``events`` (recent request lifecycle events, oldest first: ``[[unix s, event, request id,
-        detail], ...]``, events add/first_sched/preempt/finish/reject); ``plan`` (:meth:`_plan_dump`);
+        detail], ...]``, events add/first_sched/preempt/finish/reject); ``plan`` (:func:`~jitflow_server.engine.plugin_state.plan_dump`);
         ``steps`` (``{"since": unix s}`` -> the step-log entries after ``since``); ``update`` (a
         :class:`~jitflow_server.scheduler.hints.HintUpdate` dict, keyed by hint request id);
         ``reject_waiting`` (``{"ids": [...]}`` -> ``{"rejected": ids never scheduled and now removed}``);
@@ -419,7 +419,7 @@ class JitflowScheduler(Scheduler):
         if c is EngineCall.EVENTS:
             return [list(e) for e in self.events]
         if c is EngineCall.PLAN:
-            return self._plan_dump()
+            return plan_dump(self._last_plan)
         if c is EngineCall.STEPS:
             since = float(p.get("since") or 0.0)
             return [list(e) for e in self.step_log if e[0] > since]
@@ -484,7 +484,8 @@ class JitflowScheduler(Scheduler):
             "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
             "resumed": dict(self.resumed), "service": svc.to_dict() if (svc := self.tracker.service_rate(self.batch_size)) else None,
             "rejected": self.n_rejected, "policy_refusals": self.n_policy_refusals, "bad_hints": self.n_bad_hints,
-            "illegal_transitions": self.n_illegal_transitions, "tracker": self.tracker.summary(),
+            "illegal_transitions": self.n_illegal_transitions, "paced_steps": self.n_paced_steps,
+            "deferred_prefills": self.n_deferred_prefills, "tracker": self.tracker.summary(),
         }
 
 

@@ -3,7 +3,7 @@
 Each engine step: admit arrivals, reject calls past their admission deadline (JITServe §5), recompute
 the policy's frame when due (:meth:`SimRun.replan`), pick the calls the plan runs and pause or preempt
 the rest (:meth:`SimRun.select`), compose the step with vLLM's scheduler semantics (token budget, batch
-size, KV blocks; :meth:`SimRun.compose`) and advance virtual time by the step model
+size, KV blocks, a policy's per-step prefill budget; :meth:`SimRun.compose`) and advance virtual time by the step model
 (:meth:`SimRun.advance`, several identical decode steps at once when nothing can change in between).
 Every call moves through the shared :class:`~jitflow_server.scheduler.lifecycle.Lifecycle`.
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from jitflow_server.engine.jobs import PREFIX_BLOCK_TOKENS, Job
 from jitflow_server.engine.sim_cache import PrefixCaches
+from jitflow_server.engine.sim_pacing import paced_budget, paced_select
 from jitflow_server.engine.step_model import cv
 from jitflow_server.scheduler import SchedContext
 from jitflow_server.scheduler.lifecycle import RequestState
@@ -68,6 +69,8 @@ class SimRun(PrefixCaches):
         self.live: dict[str, _Call] = {}
         self.stale: dict[str, _Call] = {}  # waiting calls arrived or preempted since the last frame (replan)
         self.attained = getattr(self.pol, "reads_attained_service", True)  # else views keep it stale
+        self.paced = getattr(self.pol, "paces_prefill", False)  # per-step prefill budget (scheduler/prefill_budget)
+        self.deferred_for: set[str] = set()  # waiting latency calls the last step deferred prompts for
         self.used_blocks = 0
         self.alloc_total = 0  # blocks ever taken from the free queue (prefix-cache eviction clock)
         self.kv_peak = 0
@@ -258,6 +261,8 @@ class SimRun(PrefixCaches):
         run_sel = sorted((c for c in self.running if c.rid in chosen), key=lambda c: chosen[c.rid])
         hidden = [c for c in self.running if c.rid not in chosen]
         wait_sel = sorted((c for c in self.waiting.values() if c.rid in chosen), key=lambda c: chosen[c.rid])
+        if self.paced:  # running prompts ranked below a waiting latency request sit the step out
+            run_sel, hidden, self.deferred_for = paced_select(run_sel, hidden, wait_sel, chosen, self.deferred_for)
         overflow = len(run_sel) + len(hidden) + len(wait_sel) - 2 * self.B
         if overflow > 0 and hidden:
             for c in hidden[-overflow:]:
@@ -271,6 +276,8 @@ class SimRun(PrefixCaches):
         ``(scheduled [(call, tokens)], admitted calls, preempted_now, running calls kept)``."""
         m, B, bs, cap = self.m, self.B, self.bs, self.eng.cap_blocks
         budget = self.eng.budget0
+        if self.paced:  # the policy's per-step prefill budget, decodes first (as in the plug-in)
+            run_sel, budget = paced_budget(run_sel, wait_sel, self.t, self.eng.tracker.step_time, budget)
         sched: list[tuple[_Call, int]] = []
         preempted_now = False
         queue = list(run_sel)
@@ -476,23 +483,13 @@ class SimRun(PrefixCaches):
         """Cut off what is left (it missed its SLO) and return the run's record."""
         for c in list(self.live.values()):
             self.finish_call(c, self.t, False)
-        for js in self.states:
-            if not js.done:
-                js.failed, js.done = True, True
+        for js in (js for js in self.states if not js.done):
+            js.failed, js.done = True, True
         eng = self.eng
-        return {
-            "jobs": [eng._job_record(js) for js in self.states],
-            "makespan": self.t,
-            "frame_ms": self.frame_ms,
-            "steps": self.step,
-            "preemptions": sum(self.why_preempt.values()),
-            "preemptions_by_reason": self.why_preempt,
-            "abandoned": self.abandoned,
-            "resumed": self.resumed,
-            "prefill_tokens": self.prefill_total,
-            "prefix_hit_tokens": self.prefix_hit_tokens,
-            "kv_peak_blocks": self.kv_peak,
-            "kv_capacity_blocks": eng.cap_blocks,
-            "wall_s": time.perf_counter() - self.wall0,
-            "match_ms": list(eng.analyzer.match_ms) if eng.analyzer is not None else [],
-        }
+        return {"jobs": [eng._job_record(js) for js in self.states], "makespan": self.t, "frame_ms": self.frame_ms,
+                "steps": self.step, "preemptions": sum(self.why_preempt.values()),
+                "preemptions_by_reason": self.why_preempt, "abandoned": self.abandoned, "resumed": self.resumed,
+                "prefill_tokens": self.prefill_total, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "kv_peak_blocks": self.kv_peak, "kv_capacity_blocks": eng.cap_blocks,
+                "wall_s": time.perf_counter() - self.wall0,
+                "match_ms": list(eng.analyzer.match_ms) if eng.analyzer is not None else []}

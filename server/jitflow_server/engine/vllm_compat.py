@@ -17,8 +17,8 @@ TESTED_VLLM = ("0.32.0",)
 #: A vLLM without one of them cannot run the plug-in (checked when the scheduler is built).
 VLLM_METHODS = ("_preempt_request", "_is_blocked_waiting_status", "update_from_output", "finish_requests",
                 "add_request", "schedule", "get_num_unfinished_requests", "pause_state")
-VLLM_ATTRIBUTES = ("max_num_running_reqs", "max_num_active_reqs", "running", "waiting", "requests",
-                   "block_size", "cache_config", "vllm_config")
+VLLM_ATTRIBUTES = ("max_num_running_reqs", "max_num_active_reqs", "max_num_scheduled_tokens", "running", "waiting",
+                   "requests", "block_size", "cache_config", "vllm_config")
 
 
 def missing_vllm_internals(sched: object | type = Scheduler) -> list[str]:

@@ -161,6 +161,12 @@ class GMAXPolicy:
         """True when frames read ``RequestView.attained_service`` (the fairness blend, ``fairness > 0``)."""
         return self._cache.need_attained
 
+    @property
+    def paces_prefill(self) -> bool:
+        """True when engines should cap each step's prefill tokens by the slack of decoding latency requests
+        (``prefill_budget="slack"``, :func:`~jitflow_server.scheduler.prefill_budget.prefill_token_budget`)."""
+        return self.params.prefill_budget == "slack"
+
     def needs_recompute(self, step: int, arrivals_or_finishes: bool) -> bool:
         """True on arrivals/finishes or once Δ decode steps passed since the last frame (§4.2).
 

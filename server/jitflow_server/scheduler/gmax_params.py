@@ -191,6 +191,12 @@ class GMAXParams:
       "goodput", and with N ≤ B it sizes too, among N and fractions of it, when running all N would
       put a latency request past its TBT SLO (:func:`~jitflow_server.scheduler.gmax.latency_slo_broken`):
       on a CPU whose full batch is slow the batch then shrinks before B requests are waiting.
+    - ``prefill_budget`` ["slack"]: how many prompt tokens one engine step may prefill. "fixed": the
+      engine's ``max_num_batched_tokens``, as vLLM does. "slack" (ours, after SLOs-Serve's per-step
+      prefill budget): no more than the step can take without putting the next token of a decoding
+      latency request past its TBT timeline (:mod:`~jitflow_server.scheduler.prefill_budget`). On a CPU a
+      2,048-token chunk lengthens a step by over a second, which is what made the demo's chat
+      requests miss while their average pace was inside the TBT SLO.
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -240,6 +246,7 @@ class GMAXParams:
     compound_value: str = "task"
     batch_sizing: str = "goodput"
     batch_margin: float = 0.15
+    prefill_budget: str = "slack"
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -286,6 +293,8 @@ class GMAXParams:
             raise ValueError(f"batch_margin must be a finite number >= 0, got {self.batch_margin}")
         if not (self.jit_slack >= 0 and np.isfinite(self.jit_slack)):
             raise ValueError(f"jit_slack must be a finite number >= 0, got {self.jit_slack}")
+        if self.prefill_budget not in ("slack", "fixed"):
+            raise ValueError(f"prefill_budget must be 'slack' or 'fixed', got {self.prefill_budget!r}")
         if self.window not in ("protected", "paper"):
             raise ValueError(f"window must be 'protected' or 'paper', got {self.window!r}")
         if not self.evict_frames >= 0:

@@ -112,7 +112,8 @@ class StepTimeTracker:
         if coef is None:
             return self.default_token_time * max(1.0, n_decode / 32) + prefill_tokens / self.default_prefill_rate
         a, b, c = coef
-        return a + b * n_decode + c * prefill_tokens
+        # c = 0: the window held no prefill to fit it from (lstsq's minimum-norm answer), not free prefill
+        return a + b * n_decode + (c if c > 0 else 1.0 / self.default_prefill_rate) * prefill_tokens
 
     def token_time(self, batch: int) -> float:
         """``v_token``: seconds for one request to get one token when ``batch`` requests decode together: the

@@ -1,0 +1,102 @@
+"""Per-step prefill budget: spend the slack of decoding latency requests, never more.
+
+An engine step runs the decodes of the batch together with up to ``max_num_batched_tokens`` prompt
+tokens (chunked prefill). On a GPU a 2,048-token chunk adds milliseconds; on a CPU it adds more than a
+second (demo model, 2-core AVX-512: about 0.7 ms per prompt token), and every request decoding in that
+step waits for it. A chat request's SLO is a timeline (token *i* due by ``arrival + TTFT + (i-1)·TBT``,
+JITServe §3), so a few such steps in a row put its tokens past due even when its average pace is well
+inside the TBT SLO: on the demo's normal phase, the chat requests that missed averaged 0.09-0.11 s
+between tokens against a 0.12 s SLO, and missed because prefill stalls of agent prompts outlasted
+their slack.
+
+SLOs-Serve (§4) plans each step's prefill budget from the TBT SLOs of the running decodes. This is
+the simplest form of that idea that needs no plan: the step's prefill tokens are capped so the step
+ends before the next token of every on-time decoding latency request is due, less a reserve. Slack
+that a request has built by decoding faster than its TBT is spent on prefill; a request already past
+due is not protected (nothing would win it back, and it would throttle every prompt).
+
+Pure functions: the vLLM plug-in and the simulator call them every step with their own step-time
+model (``StepTimeTracker.step_time``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+#: Fewest prompt tokens a step may prefill while a prompt waits (one KV block of the demo engine), so
+#: prompts always progress. Kept this small on purpose: once a latency request's slack is spent the rule
+#: settles on the prefill its TBT leaves room for in every step, and a larger floor would make each step
+#: longer than that TBT (64 tokens at 0.7 ms each did, for a 0.08 s TBT on a 0.036 s decode step).
+MIN_PREFILL_TOKENS = 16
+
+
+def next_token_slack(arrival: float, ttft: float, tbt: float, generated: int, now: float) -> float:
+    """Seconds until the next output token of a latency request is due on its SLO timeline.
+
+    Token ``generated + 1`` is due at ``arrival + ttft + generated·tbt`` (JITServe §3); the result is
+    that time minus ``now`` (negative: already past due). Times in seconds on one clock.
+    """
+    return arrival + ttft + generated * tbt - now
+
+
+def min_decode_slack(decodes: Iterable[tuple[float, float, float, int]], now: float) -> float | None:
+    """The smallest positive :func:`next_token_slack` (s) over ``(arrival, ttft, tbt, generated)`` of decoding
+    latency requests, or ``None`` when none of them is on time (or there is none)."""
+    best = None
+    for arrival, ttft, tbt, generated in decodes:
+        s = next_token_slack(arrival, ttft, tbt, generated, now)
+        if s > 0.0 and (best is None or s < best):
+            best = s
+    return best
+
+
+def prefill_token_budget(min_slack: float | None, n_decode: int, step_time: Callable[[int, int], float],
+                         max_tokens: int, *, reserve_steps: float = 1.0,
+                         min_prefill: int = MIN_PREFILL_TOKENS) -> int:
+    """Token budget of one engine step (decodes + prefill tokens) under the tightest decode slack.
+
+    Args:
+        min_slack: the smallest :func:`next_token_slack` (s) among the step's decoding latency requests
+            that are not past due; ``None`` when there is none (the budget is then ``max_tokens``).
+        n_decode: requests decoding in the step (one token of budget each).
+        step_time: predicted step seconds for ``(n_decode, prefill_tokens)``, linear in the prefill
+            tokens (``StepTimeTracker.step_time``).
+        max_tokens: the engine's own budget per step (``max_num_batched_tokens``).
+        reserve_steps: slack kept back, in decode steps of ``n_decode`` requests, for what the step-time
+            model misses (scheduling, output processing, a step slower than predicted).
+        min_prefill: prefill tokens allowed however small the slack (:data:`MIN_PREFILL_TOKENS`).
+
+    Returns:
+        Tokens the step may schedule, between ``n_decode + min_prefill`` and ``max_tokens``.
+    """
+    if min_slack is None or max_tokens <= n_decode:
+        return max_tokens
+    base = step_time(n_decode, 0)
+    per_token = (step_time(n_decode, max_tokens) - base) / max_tokens
+    usable = min_slack - (1.0 + reserve_steps) * base
+    if per_token <= 0.0:
+        return max_tokens
+    prefill = int(usable / per_token) if usable > 0 else 0
+    return max(n_decode + min_prefill, min(max_tokens, n_decode + prefill))
+
+
+def prefills_to_defer(plan_rank: dict[str, int], running_prefills: Iterable[str],
+                      waiting_latency: Iterable[str]) -> set[str]:
+    """Running requests still in prefill that sit this step out so a waiting latency request's prompt goes first.
+
+    vLLM fills a step with its running requests before it admits a waiting one, so a long prompt being
+    prefilled in chunks takes the whole budget of every step until it is done, whatever the plan's order:
+    a chat request arriving behind one waited 2.5-3.2 s for its first token on the demo's normal phase
+    (TTFT SLO 2.4 s). Those ranked by the plan (``plan_rank``: request id -> position in
+    ``Decision.batch``) below the best-ranked waiting latency request wait one step; they keep their KV
+    cache and go on in the next step.
+
+    Returns the ids of ``running_prefills`` to leave out of this step (empty when no waiting latency
+    request is in the plan). Callers leave out of ``waiting_latency`` a request they deferred prompts for in
+    the previous step that still waits: the engine could not admit it (no free KV cache), and deferring
+    again would stall every prompt until it could.
+    """
+    top = min((plan_rank[r] for r in waiting_latency if r in plan_rank), default=None)
+    if top is None:
+        return set()
+    return {r for r in running_prefills if plan_rank.get(r, top + 1) > top}
