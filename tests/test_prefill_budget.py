@@ -51,6 +51,8 @@ def test_budget_is_the_engines_without_a_latency_decode_or_with_ample_slack_and_
     assert prefill_token_budget(30.0, 10, step, 2048) == 2048
     # a slack below one decode step still lets the smallest chunk through
     assert prefill_token_budget(0.01, 10, step, 2048) == 10 + MIN_PREFILL_TOKENS
+    # never more than the engine's budget, even when the decodes leave less than the smallest chunk
+    assert prefill_token_budget(0.01, 2040, step, 2048) == 2048
     # prefill that costs nothing is never capped
     assert prefill_token_budget(0.01, 10, linear_step(0.04, 0.002, 0.0), 2048) == 2048
 

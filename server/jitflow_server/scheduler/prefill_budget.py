@@ -10,10 +10,12 @@ between tokens against a 0.12 s SLO, and missed because prefill stalls of agent 
 their slack.
 
 SLOs-Serve (§4) plans each step's prefill budget from the TBT SLOs of the running decodes. This is
-the simplest form of that idea that needs no plan: the step's prefill tokens are capped so the step
-ends before the next token of every on-time decoding latency request is due, less a reserve. Slack
-that a request has built by decoding faster than its TBT is spent on prefill; a request already past
-due is not protected (nothing would win it back, and it would throttle every prompt).
+the simplest form of that idea that needs no plan (:func:`prefill_token_budget`): the step's prefill
+tokens are capped so the step ends before the next token of every on-time decoding latency request is
+due, less a reserve. Slack that a request has built by decoding faster than its TBT is spent on prefill;
+a request already past due is not protected (nothing would win it back, and it would throttle every
+prompt). A second rule (:func:`prefills_to_defer`) puts a waiting latency request's own prompt ahead of
+the running prompts the plan ranks below it, which vLLM would otherwise prefill first.
 
 Pure functions: the vLLM plug-in and the simulator call them every step with their own step-time
 model (``StepTimeTracker.step_time``).
@@ -67,7 +69,7 @@ def prefill_token_budget(min_slack: float | None, n_decode: int, step_time: Call
         min_prefill: prefill tokens allowed however small the slack (:data:`MIN_PREFILL_TOKENS`).
 
     Returns:
-        Tokens the step may schedule, between ``n_decode + min_prefill`` and ``max_tokens``.
+        Tokens the step may schedule: ``n_decode + min_prefill`` at least, ``max_tokens`` at most.
     """
     if min_slack is None or max_tokens <= n_decode:
         return max_tokens
@@ -77,7 +79,7 @@ def prefill_token_budget(min_slack: float | None, n_decode: int, step_time: Call
     if per_token <= 0.0:
         return max_tokens
     prefill = int(usable / per_token) if usable > 0 else 0
-    return max(n_decode + min_prefill, min(max_tokens, n_decode + prefill))
+    return min(max_tokens, n_decode + max(prefill, min_prefill))
 
 
 def prefills_to_defer(plan_rank: dict[str, int], running_prefills: Iterable[str],
