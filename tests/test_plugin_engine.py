@@ -249,7 +249,7 @@ def test_peer_baselines_schedule_the_real_engine(server_url, policy, name):
     assert st["policy"] == name and st["frames"] > frames0
 
 
-def _paced_run(c: httpx.Client, url: str, ttft: float = 2.0, feeders: int = 4, prompt_tokens: int = 3000) -> int:
+def _paced_run(c: httpx.Client, url: str, ttft: float = 3.0, feeders: int = 4, prompt_tokens: int = 3000) -> int:
     """A chat request decoding while long prompts keep arriving; returns how many steps the plug-in's prefill
     budget cut meanwhile (``paced_steps``).
 
