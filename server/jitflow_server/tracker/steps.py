@@ -111,9 +111,9 @@ class StepTimeTracker:
         coef = self._fit()
         if coef is None:
             return self.default_token_time * max(1.0, n_decode / 32) + prefill_tokens / self.default_prefill_rate
-        a, b, c = coef
-        # c = 0: the window held no prefill to fit it from (lstsq's minimum-norm answer), not free prefill
-        return a + b * n_decode + (c if c > 0 else 1.0 / self.default_prefill_rate) * prefill_tokens
+        a, b, _c = coef
+        # prefill_rate(): c = 0 means the window held no prefill to fit it from, not free prefill
+        return a + b * n_decode + prefill_tokens / self.prefill_rate()
 
     def token_time(self, batch: int) -> float:
         """``v_token``: seconds for one request to get one token when ``batch`` requests decode together: the
