@@ -1,6 +1,9 @@
-"""The per-step prefill budget (scheduler/prefill_budget.py): the pure rule, and its effect in the simulator."""
+"""The per-step prefill budget (scheduler/prefill_budget.py): the pure rules, the pacer that applies them, and
+their effect in the simulator."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -11,6 +14,7 @@ from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import make_policy
 from jitflow_server.scheduler.prefill_budget import (
     MIN_PREFILL_TOKENS,
+    PrefillPacer,
     min_decode_slack,
     next_token_slack,
     prefill_token_budget,
@@ -91,6 +95,53 @@ def test_running_prompts_ranked_below_a_waiting_latency_request_sit_the_step_out
     assert prefills_to_defer(rank, ["doc", "other"], []) == set()  # no latency request waits
     assert prefills_to_defer(rank, ["doc", "other"], ["not-in-plan"]) == set()
     assert prefills_to_defer({"chat": 1, "doc": 2, "early": 0}, ["doc", "early"], ["chat"]) == {"doc"}
+
+
+@dataclass
+class Req:
+    """A request as the pacer sees it: prompt in the KV cache or not, and a latency SLO timeline or none."""
+
+    rid: str
+    decoding: bool
+    timeline: tuple[float, float, float, int] | None = None
+
+
+def make_pacer() -> PrefillPacer[Req]:
+    return PrefillPacer(lambda r: r.rid, lambda r: r.decoding, lambda r: r.timeline)
+
+
+def test_the_pacer_defers_a_prompt_for_a_waiting_chat_once_and_not_while_the_chat_cannot_be_admitted():
+    pacer = make_pacer()
+    doc, chat = Req("doc", False), Req("chat", False, (0.0, 2.0, 0.1, 0))
+    rank = {"chat": 0, "doc": 1}
+    step = pacer.step([doc], [chat], rank, 0.5, linear_step(0.04, 0.001, 0.0007), 2048)
+    assert step.run == [] and step.deferred == [doc] and step.budget == 2048  # nothing decodes: no cut
+    # the chat still waits in the next step (no free KV cache): the prompt goes on this time
+    step = pacer.step([doc], [chat], rank, 0.6, linear_step(0.04, 0.001, 0.0007), 2048)
+    assert step.run == [doc] and step.deferred == []
+    # ... and once a step has not deferred for it, it may again
+    step = pacer.step([doc], [chat], rank, 0.7, linear_step(0.04, 0.001, 0.0007), 2048)
+    assert step.deferred == [doc]
+    assert pacer.deferred_prefills == 2 and pacer.paced_steps == 0
+
+
+def test_the_pacer_cuts_the_budget_to_a_decoding_chats_slack_and_puts_decodes_first():
+    pacer = make_pacer()
+    step_time = linear_step(0.04, 0.001, 0.0007)
+    doc = Req("doc", False)
+    # token 11 due at 0 + 1 + 10 * 0.1 = 2.0 s; at 1.5 s the slack is 0.5 s
+    chat = Req("chat", True, (0.0, 1.0, 0.1, 10))
+    step = pacer.step([doc, chat], [], {"doc": 0, "chat": 1}, 1.5, step_time, 2048)
+    assert step.run == [chat, doc] and step.deferred == []
+    assert step.budget == prefill_token_budget(0.5, 1, step_time, 2048) < 2048
+    assert pacer.paced_steps == 1
+    # a chat already past due is not protected: the engine's budget, in plan order
+    late = Req("chat", True, (0.0, 1.0, 0.1, 10))
+    step = pacer.step([doc, late], [], {"doc": 0, "chat": 1}, 2.5, step_time, 2048)
+    assert step.run == [doc, late] and step.budget == 2048 and pacer.paced_steps == 1
+    # only decodes and nothing waiting: nothing to pace
+    step = pacer.step([chat], [], {"chat": 0}, 1.5, step_time, 2048)
+    assert step.run == [chat] and step.budget == 2048
 
 
 @pytest.mark.parametrize("budget", ["slack", "fixed"])

@@ -52,7 +52,7 @@ from jitflow_server.engine.vllm_compat import TESTED_VLLM, missing_vllm_internal
 from jitflow_server.scheduler import RequestView, SchedContext, make_policy
 from jitflow_server.scheduler.hints import SIMULATOR_ONLY, HintsError, HintUpdate, SchedHints
 from jitflow_server.scheduler.lifecycle import IllegalTransition, RequestState
-from jitflow_server.scheduler.prefill_budget import min_decode_slack, prefill_token_budget, prefills_to_defer
+from jitflow_server.scheduler.prefill_budget import PrefillPacer, Timeline
 from jitflow_server.scheduler.types import Kind
 from jitflow_server.tracker.service import AttainedService
 from jitflow_server.tracker.steps import StepTimeTracker
@@ -63,8 +63,17 @@ logger = logging.getLogger("jitflow.plugin")
 PASSTHROUGH = {"fcfs", "vllm"}
 #: vLLM finish statuses of a request that produced all its tokens (others end it ``ABORTED``).
 _DONE_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
+
+
+def _decoding(r: Request) -> bool:
+    """True once the request's prompt (or its recomputation after a preemption) is in the KV cache."""
+    return r.num_output_tokens > 0 and r.num_computed_tokens >= r.num_tokens - 1
+
+
 #: The engine-core utility method that carries control calls (see the module docstring).
 CONTROL_METHOD = "jitflow_control"
+
+
 class JitflowScheduler(Scheduler):
     """vLLM ``Scheduler`` subclass driven by the jitflow policy core (GMAX or a baseline).
 
@@ -82,8 +91,8 @@ class JitflowScheduler(Scheduler):
         policy, params, self.batch_size = plugin_settings(self.vllm_config, self.max_num_running_reqs)
         self._base_active_cap = self.max_num_active_reqs
         self._base_token_budget = self.max_num_scheduled_tokens
-        self.n_paced_steps = self.n_deferred_prefills = 0  # steps cut by the prefill budget, prompts deferred
-        self._deferred_for: set[str] = set()  # the waiting latency requests the last step deferred prompts for
+        #: per-step prefill pacing, for a policy that asks for it (``paces_prefill``)
+        self.pacer: PrefillPacer[Request] = PrefillPacer(lambda r: r.request_id, _decoding, self._timeline)
         self.tracker = StepTimeTracker()
         self.meta: dict[str, RequestMeta] = {}
         self.by_front_id: dict[str, str] = {}
@@ -343,37 +352,19 @@ class JitflowScheduler(Scheduler):
 
     def _pace(self, run_sel: list[Request], hidden: list[Request], wait_sel: list[Request], rank: dict[str, int],
               now: float) -> tuple[list[Request], list[Request], int]:
-        """The step's prefill under a policy that paces it (``scheduler/prefill_budget``): running prompts the
-        plan ranks below a waiting latency request sit the step out, and the token budget is cut to what the
-        step can take without putting a decoding latency request's next token past due, decodes first.
-        Returns ``(run_sel, hidden, token budget)``; unchanged, with the engine's budget, otherwise."""
-        full = self._base_token_budget
+        """``(run_sel, hidden, token budget)`` of the step under a policy that paces its prefill
+        (:class:`~jitflow_server.scheduler.prefill_budget.PrefillPacer`); unchanged, with the engine's budget,
+        under any other policy."""
         if not getattr(self.policy, "paces_prefill", False):
-            return run_sel, hidden, full
+            return run_sel, hidden, self._base_token_budget
+        step = self.pacer.step(run_sel, wait_sel, rank, now, self.tracker.step_time, self._base_token_budget)
+        return step.run, hidden + step.deferred, step.budget
 
-        def prefilling(r: Request) -> bool:
-            return r.num_output_tokens == 0 or r.num_computed_tokens < r.num_tokens - 1
-
-        latency = {r.request_id for r in wait_sel if (m := self.meta.get(r.request_id)) is not None
-                   and m.kind is Kind.LATENCY}
-        # one deferred for in the last step and still waiting could not be admitted (KV cache): not again
-        defer = prefills_to_defer(rank, [r.request_id for r in run_sel if prefilling(r)], latency - self._deferred_for)
-        self._deferred_for = latency if defer else set()
-        if defer:
-            self.n_deferred_prefills += len(defer)
-            hidden = hidden + [r for r in run_sel if r.request_id in defer]
-            run_sel = [r for r in run_sel if r.request_id not in defer]
-        dec = [r for r in run_sel if not prefilling(r)]
-        if not wait_sel and len(dec) == len(run_sel):
-            return run_sel, hidden, full
-        slack = min_decode_slack(((m.arrival, m.ttft, m.tbt, r.num_output_tokens) for r in dec
-                                  if (m := self.meta.get(r.request_id)) is not None and m.kind is Kind.LATENCY
-                                  and m.ttft is not None and m.tbt is not None), now)
-        budget = prefill_token_budget(slack, len(dec), self.tracker.step_time, full)
-        if budget < full:  # decodes first: the budget holds one token for each of them
-            self.n_paced_steps += 1
-            run_sel = dec + [r for r in run_sel if prefilling(r)]
-        return run_sel, hidden, budget
+    def _timeline(self, r: Request) -> Timeline | None:
+        m = self.meta.get(r.request_id)
+        if m is None or m.kind is not Kind.LATENCY or m.ttft is None or m.tbt is None:
+            return None
+        return m.arrival, m.ttft, m.tbt, r.num_output_tokens
 
     def _mark_scheduled(self, out, now: float) -> None:
         for rid, n in out.num_scheduled_tokens.items():
@@ -484,8 +475,8 @@ class JitflowScheduler(Scheduler):
             "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
             "resumed": dict(self.resumed), "service": svc.to_dict() if (svc := self.tracker.service_rate(self.batch_size)) else None,
             "rejected": self.n_rejected, "policy_refusals": self.n_policy_refusals, "bad_hints": self.n_bad_hints,
-            "illegal_transitions": self.n_illegal_transitions, "paced_steps": self.n_paced_steps,
-            "deferred_prefills": self.n_deferred_prefills, "tracker": self.tracker.summary(),
+            "illegal_transitions": self.n_illegal_transitions, "paced_steps": self.pacer.paced_steps,
+            "deferred_prefills": self.pacer.deferred_prefills, "tracker": self.tracker.summary(),
         }
 
 

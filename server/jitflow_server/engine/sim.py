@@ -56,6 +56,7 @@ from jitflow_server.engine.jobs import GIVE_UP_AFTER_S, Job
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import Kind, Policy, RequestView
 from jitflow_server.scheduler.lifecycle import Lifecycle
+from jitflow_server.scheduler.prefill_budget import Timeline
 from jitflow_server.scheduler.types import SLOSpec
 from jitflow_server.tracker.goodput import evaluate
 from jitflow_server.tracker.steps import StepTimeTracker
@@ -143,6 +144,17 @@ class _Call:
     bound_at: int = -1
     life: Lifecycle | None = None  # the request state machine shared with the vLLM plug-in
     token_times: list = field(default_factory=list)
+
+    def decoding(self) -> bool:
+        """True once the prompt (or its recomputation after a preemption) is in the KV cache."""
+        return self.generated > 0 and self.computed >= self.input_len + self.generated - 1
+
+    def timeline(self) -> Timeline | None:
+        """The SLO timeline of a latency call (``scheduler/prefill_budget.Timeline``), else ``None``."""
+        v = self.view
+        if v.kind is not Kind.LATENCY or v.ttft is None or v.tbt is None:
+            return None
+        return v.arrival, v.ttft, v.tbt, self.generated
 
 
 @dataclass

@@ -26,10 +26,10 @@ import numpy as np
 
 from jitflow_server.engine.jobs import PREFIX_BLOCK_TOKENS, Job
 from jitflow_server.engine.sim_cache import PrefixCaches
-from jitflow_server.engine.sim_pacing import paced_budget, paced_select
 from jitflow_server.engine.step_model import cv
 from jitflow_server.scheduler import SchedContext
 from jitflow_server.scheduler.lifecycle import RequestState
+from jitflow_server.scheduler.prefill_budget import PrefillPacer
 from jitflow_server.scheduler.types import Kind, SLOSpec
 from jitflow_server.tracker.goodput import evaluate
 
@@ -69,8 +69,10 @@ class SimRun(PrefixCaches):
         self.live: dict[str, _Call] = {}
         self.stale: dict[str, _Call] = {}  # waiting calls arrived or preempted since the last frame (replan)
         self.attained = getattr(self.pol, "reads_attained_service", True)  # else views keep it stale
-        self.paced = getattr(self.pol, "paces_prefill", False)  # per-step prefill budget (scheduler/prefill_budget)
-        self.deferred_for: set[str] = set()  # waiting latency calls the last step deferred prompts for
+        #: per-step prefill pacing (scheduler/prefill_budget), for a policy that asks for it; the step's budget
+        self.pacer = (PrefillPacer(lambda c: c.rid, lambda c: c.decoding(), lambda c: c.timeline())
+                      if getattr(self.pol, "paces_prefill", False) else None)
+        self.step_budget = self.eng.budget0
         self.used_blocks = 0
         self.alloc_total = 0  # blocks ever taken from the free queue (prefix-cache eviction clock)
         self.kv_peak = 0
@@ -261,8 +263,10 @@ class SimRun(PrefixCaches):
         run_sel = sorted((c for c in self.running if c.rid in chosen), key=lambda c: chosen[c.rid])
         hidden = [c for c in self.running if c.rid not in chosen]
         wait_sel = sorted((c for c in self.waiting.values() if c.rid in chosen), key=lambda c: chosen[c.rid])
-        if self.paced:  # running prompts ranked below a waiting latency request sit the step out
-            run_sel, hidden, self.deferred_for = paced_select(run_sel, hidden, wait_sel, chosen, self.deferred_for)
+        self.step_budget = self.eng.budget0
+        if self.pacer is not None:  # the policy's per-step prefill budget, decodes first (as in the plug-in)
+            step = self.pacer.step(run_sel, wait_sel, chosen, self.t, self.eng.tracker.step_time, self.step_budget)
+            run_sel, hidden, self.step_budget = step.run, hidden + step.deferred, step.budget
         overflow = len(run_sel) + len(hidden) + len(wait_sel) - 2 * self.B
         if overflow > 0 and hidden:
             for c in hidden[-overflow:]:
@@ -275,9 +279,7 @@ class SimRun(PrefixCaches):
         ones when KV runs out), then admissions unless something was preempted. Returns
         ``(scheduled [(call, tokens)], admitted calls, preempted_now, running calls kept)``."""
         m, B, bs, cap = self.m, self.B, self.bs, self.eng.cap_blocks
-        budget = self.eng.budget0
-        if self.paced:  # the policy's per-step prefill budget, decodes first (as in the plug-in)
-            run_sel, budget = paced_budget(run_sel, wait_sel, self.t, self.eng.tracker.step_time, budget)
+        budget = self.step_budget  # set by select()
         sched: list[tuple[_Call, int]] = []
         preempted_now = False
         queue = list(run_sel)

@@ -17,13 +17,21 @@ a request already past due is not protected (nothing would win it back, and it w
 prompt). A second rule (:func:`prefills_to_defer`) puts a waiting latency request's own prompt ahead of
 the running prompts the plan ranks below it, which vLLM would otherwise prefill first.
 
-Pure functions: the vLLM plug-in and the simulator call them every step with their own step-time
-model (``StepTimeTracker.step_time``).
+The rules are pure functions; :class:`PrefillPacer` applies both to one engine step and keeps the little
+state they need between steps. The vLLM plug-in and the simulator each own one pacer and call it every
+step, with their own request objects and their own step-time model (``StepTimeTracker.step_time``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+#: ``(arrival s, TTFT SLO s, TBT SLO s, output tokens generated)`` of a latency request: its SLO timeline.
+Timeline = tuple[float, float, float, int]
 
 #: Fewest prompt tokens a step may prefill while a prompt waits (one KV block of the demo engine), so
 #: prompts always progress. Kept this small on purpose: once a latency request's slack is spent the rule
@@ -102,3 +110,71 @@ def prefills_to_defer(plan_rank: dict[str, int], running_prefills: Iterable[str]
     if top is None:
         return set()
     return {r for r in running_prefills if plan_rank.get(r, top + 1) > top}
+
+
+@dataclass
+class PacedStep(Generic[T]):
+    """One engine step after pacing: ``run`` the running requests to schedule (decodes first when the budget
+    is cut), ``deferred`` the running prompts that sit this step out (they keep their KV cache), ``budget``
+    the step's token budget (decodes + prefill tokens)."""
+
+    run: list[T]
+    deferred: list[T]
+    budget: int
+
+
+class PrefillPacer(Generic[T]):
+    """Both pacing rules applied to one engine step, for any request type.
+
+    Args:
+        rid: the request's id (the key of the plan's ranks).
+        decoding: True once the request's prompt (or its recomputation after a preemption) is in the KV
+            cache, so the step gives it one token.
+        timeline: the request's :data:`Timeline` if it is a latency request, else ``None``.
+
+    Attributes:
+        paced_steps: steps whose budget was cut below the engine's.
+        deferred_prefills: running prompts deferred, summed over steps.
+    """
+
+    def __init__(self, rid: Callable[[T], str], decoding: Callable[[T], bool],
+                 timeline: Callable[[T], Timeline | None]) -> None:
+        self._rid, self._decoding, self._timeline = rid, decoding, timeline
+        self._deferred_for: set[str] = set()  # the waiting latency requests the last step deferred prompts for
+        self.paced_steps = 0
+        self.deferred_prefills = 0
+
+    def step(self, run_sel: list[T], wait_sel: list[T], rank: dict[str, int], now: float,
+             step_time: Callable[[int, int], float], max_tokens: int) -> PacedStep[T]:
+        """Pace one step.
+
+        Args:
+            run_sel: running requests the plan runs, in plan order.
+            wait_sel: waiting requests the plan admits, in plan order.
+            rank: request id -> position in the plan (``Decision.batch``).
+            now: the clock of the timelines (s).
+            step_time: predicted step seconds for ``(n_decode, prefill_tokens)``.
+            max_tokens: the engine's own token budget per step.
+
+        Returns:
+            A :class:`PacedStep`: :func:`prefills_to_defer` applied (not again for a latency request the last
+            step deferred prompts for and that still waits: the engine could not admit it), then
+            :func:`prefill_token_budget` under the tightest decoding latency request's slack.
+        """
+        latency = {self._rid(r) for r in wait_sel if self._timeline(r) is not None}
+        defer = prefills_to_defer(rank, [self._rid(r) for r in run_sel if not self._decoding(r)],
+                                  latency - self._deferred_for)
+        self._deferred_for = latency if defer else set()
+        deferred = [r for r in run_sel if self._rid(r) in defer]
+        if defer:
+            self.deferred_prefills += len(deferred)
+            run_sel = [r for r in run_sel if self._rid(r) not in defer]
+        dec = [r for r in run_sel if self._decoding(r)]
+        if not wait_sel and len(dec) == len(run_sel):  # nothing to prefill: nothing to pace
+            return PacedStep(run_sel, deferred, max_tokens)
+        slack = min_decode_slack((t for r in dec if (t := self._timeline(r)) is not None), now)
+        budget = prefill_token_budget(slack, len(dec), step_time, max_tokens)
+        if budget < max_tokens:  # decodes first: the budget holds one token for each of them
+            self.paced_steps += 1
+            run_sel = dec + [r for r in run_sel if not self._decoding(r)]
+        return PacedStep(run_sel, deferred, budget)
