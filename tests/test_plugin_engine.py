@@ -249,20 +249,24 @@ def test_peer_baselines_schedule_the_real_engine(server_url, policy, name):
     assert st["policy"] == name and st["frames"] > frames0
 
 
-def _paced_run(c: httpx.Client, url: str, ttft: float = 3.0, feeders: int = 4, prompt_tokens: int = 3000) -> int:
-    """A chat request decoding while long prompts keep arriving; returns how many steps the plug-in's prefill
+def _paced_run(c: httpx.Client, url: str, ttfts: tuple[float, ...] = (2.0, 2.3, 2.6, 2.9, 3.2), feeders: int = 4,
+               prompt_tokens: int = 3000) -> int:
+    """Chat requests decoding while long prompts keep arriving; returns how many steps the plug-in's prefill
     budget cut meanwhile (``paced_steps``).
 
-    The chat's TBT SLO (1 ms) is far below any step, so the time left until its next token is due falls
-    with the wall clock, from its TTFT through zero: whatever the machine's speed, there is a step in
-    which that slack is below what a full prefill chunk takes. ``feeders`` clients keep a prompt waiting
-    for prefill (``max_tokens`` 1 each, a bounded loop) from the chat's first token until a second after
-    its TTFT has passed, so one is waiting at that step."""
+    Each chat's TBT SLO (1 ms) is far below any step, so the time left until its next token is due falls
+    with the wall clock, from its TTFT through zero: whatever the machine's speed, there is a stretch in
+    which that slack is positive but shorter than a full prefill chunk, and the budget is cut in the steps
+    that start in it. One stretch is about one step long and a step can straddle it, so the chats' TTFTs are
+    staggered (``ttfts``): one stretch each. ``feeders`` clients keep a prompt waiting for prefill
+    (``max_tokens`` 1 each, a bounded loop) from the chats' start until a second after the last TTFT."""
     import concurrent.futures as cf
 
     paced0 = c.get("/v1/jitflow/engine").json()["paced_steps"]
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "ignore_eos": True,
-            "slo": {"kind": "latency", "ttft": ttft, "tbt": 0.001}}
+
+    def chat(ttft: float) -> dict:
+        return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500,
+                "ignore_eos": True, "slo": {"kind": "latency", "ttft": ttft, "tbt": 0.001}}
 
     def feed(i: int, until: float) -> list[int]:
         codes = []
@@ -272,14 +276,14 @@ def _paced_run(c: httpx.Client, url: str, ttft: float = 3.0, feeders: int = 4, p
             codes.append(httpx.post(url + "/v1/completions", json=doc, timeout=600).status_code)
         return codes
 
-    with cf.ThreadPoolExecutor(feeders + 1) as ex:
+    with cf.ThreadPoolExecutor(feeders + len(ttfts)) as ex:
         t0 = time.time()
-        reply = ex.submit(httpx.post, url + "/v1/chat/completions", json=chat, timeout=600)
-        wait_for(c, lambda s: s["running"] >= 1, "the chat request running", [])
-        fed = [ex.submit(feed, i, t0 + ttft + 1.0) for i in range(feeders)]
+        replies = [ex.submit(httpx.post, url + "/v1/chat/completions", json=chat(t), timeout=600) for t in ttfts]
+        wait_for(c, lambda s: s["running"] >= 1, "the chat requests running", [])
+        fed = [ex.submit(feed, i, t0 + max(ttfts) + 1.0) for i in range(feeders)]
         codes = [code for f in fed for code in f.result()]
-        r = reply.result()
-    assert r.status_code == 200, r.text[:300]
+        rs = [r.result() for r in replies]
+    assert all(r.status_code == 200 for r in rs), [r.text[:300] for r in rs]
     assert codes and set(codes) == {200}, codes
     return c.get("/v1/jitflow/engine").json()["paced_steps"] - paced0
 
