@@ -72,7 +72,6 @@ class SimRun(PrefixCaches):
         #: per-step prefill pacing (scheduler/prefill_budget), for a policy that asks for it; the step's budget
         self.pacer = (PrefillPacer(lambda c: c.rid, lambda c: c.decoding(), lambda c: c.timeline())
                       if getattr(self.pol, "paces_prefill", False) else None)
-        self.step_budget = self.eng.budget0
         self.used_blocks = 0
         self.alloc_total = 0  # blocks ever taken from the free queue (prefix-cache eviction clock)
         self.kv_peak = 0
@@ -256,30 +255,31 @@ class SimRun(PrefixCaches):
             if c is not None and c.running:
                 self.preempt(c, "policy")
 
-    def select(self) -> tuple[list[_Call], list[_Call], list[_Call]]:
-        """``(running calls the plan runs, paused running calls, waiting calls the plan admits)``, each in
-        plan order; beyond 2·B running + chosen calls, the last paused ones are preempted."""
+    def select(self) -> tuple[list[_Call], list[_Call], list[_Call], int]:
+        """``(running calls the plan runs, paused running calls, waiting calls the plan admits, the step's token
+        budget)``, each list in plan order; beyond 2·B running + chosen calls, the last paused ones are
+        preempted."""
         chosen = {rid: i for i, rid in enumerate(self.plan)}
         run_sel = sorted((c for c in self.running if c.rid in chosen), key=lambda c: chosen[c.rid])
         hidden = [c for c in self.running if c.rid not in chosen]
         wait_sel = sorted((c for c in self.waiting.values() if c.rid in chosen), key=lambda c: chosen[c.rid])
-        self.step_budget = self.eng.budget0
+        budget = self.eng.budget0
         if self.pacer is not None:  # the policy's per-step prefill budget, decodes first (as in the plug-in)
-            step = self.pacer.step(run_sel, wait_sel, chosen, self.t, self.eng.tracker.step_time, self.step_budget)
-            run_sel, hidden, self.step_budget = step.run, hidden + step.deferred, step.budget
+            step = self.pacer.step(run_sel, wait_sel, chosen, self.t, self.eng.tracker.step_time, budget)
+            run_sel, hidden, budget = step.run, hidden + step.deferred, step.budget
         overflow = len(run_sel) + len(hidden) + len(wait_sel) - 2 * self.B
         if overflow > 0 and hidden:
             for c in hidden[-overflow:]:
                 self.preempt(c, "slots")
             hidden = hidden[:-overflow] if overflow < len(hidden) else []
-        return run_sel, hidden, wait_sel
+        return run_sel, hidden, wait_sel, budget
 
-    def compose(self, run_sel: list[_Call], wait_sel: list[_Call]):
+    def compose(self, run_sel: list[_Call], wait_sel: list[_Call], budget: int):
         """The step's calls with vLLM scheduler semantics: running calls first (preempting the last
         ones when KV runs out), then admissions unless something was preempted. Returns
-        ``(scheduled [(call, tokens)], admitted calls, preempted_now, running calls kept)``."""
+        ``(scheduled [(call, tokens)], admitted calls, preempted_now, running calls kept)``; ``budget`` is the
+        step's token budget from :meth:`select`."""
         m, B, bs, cap = self.m, self.B, self.bs, self.eng.cap_blocks
-        budget = self.step_budget  # set by select()
         sched: list[tuple[_Call, int]] = []
         preempted_now = False
         queue = list(run_sel)
@@ -465,8 +465,8 @@ class SimRun(PrefixCaches):
             self.step += 1
             if self.pol.needs_recompute(self.step, self.dirty) or self.dirty:
                 self.replan()
-            run_sel, hidden, wait_sel = self.select()
-            sched, admitted, preempted_now, run_after = self.compose(run_sel, wait_sel)
+            run_sel, hidden, wait_sel, budget = self.select()
+            sched, admitted, preempted_now, run_after = self.compose(run_sel, wait_sel, budget)
             self.running[:] = run_after + admitted + [c for c in hidden if c.running]
             self.kv_peak = max(self.kv_peak, self.used_blocks)
             if not sched:

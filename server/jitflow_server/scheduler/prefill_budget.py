@@ -162,19 +162,20 @@ class PrefillPacer(Generic[T]):
             :func:`prefill_token_budget` under the tightest decoding latency request's slack.
         """
         latency = {self._rid(r) for r in wait_sel if self._timeline(r) is not None}
-        defer = prefills_to_defer(rank, [self._rid(r) for r in run_sel if not self._decoding(r)],
-                                  latency - self._deferred_for)
+        dec = [r for r in run_sel if self._decoding(r)]
+        prefilling = [r for r in run_sel if not self._decoding(r)]
+        defer = prefills_to_defer(rank, [self._rid(r) for r in prefilling], latency - self._deferred_for)
         self._deferred_for = latency if defer else set()
-        deferred = [r for r in run_sel if self._rid(r) in defer]
+        deferred = [r for r in prefilling if self._rid(r) in defer]
         if defer:
             self.deferred_prefills += len(deferred)
             run_sel = [r for r in run_sel if self._rid(r) not in defer]
-        dec = [r for r in run_sel if self._decoding(r)]
-        if not wait_sel and len(dec) == len(run_sel):  # nothing to prefill: nothing to pace
+            prefilling = [r for r in prefilling if self._rid(r) not in defer]
+        if not wait_sel and not prefilling:  # nothing to prefill: nothing to pace
             return PacedStep(run_sel, deferred, max_tokens)
         slack = min_decode_slack((t for r in dec if (t := self._timeline(r)) is not None), now)
         budget = prefill_token_budget(slack, len(dec), step_time, max_tokens)
         if budget < max_tokens:  # decodes first: the budget holds one token for each of them
             self.paced_steps += 1
-            run_sel = dec + [r for r in run_sel if not self._decoding(r)]
+            run_sel = dec + prefilling
         return PacedStep(run_sel, deferred, budget)
