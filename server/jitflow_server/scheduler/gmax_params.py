@@ -87,7 +87,8 @@ class GMAXParams:
       task's slack (``deadline − now − later stages' estimated time``) is below the horizon; "stage"
       also once its stage's sub-deadline is that close. The analyzer's estimate of the later stages uses
       its static time model, far below their real time on a loaded CPU engine, so "task" pacing started
-      tree-of-thoughts stages 25–30 s late in the demo's burst (docs/benchmarks.md, "The demo").
+      tree-of-thoughts stages 25–30 s late in the demo's burst (docs/benchmarks-history.md, "The demo's
+      earlier rounds").
     - ``jit_commit`` [True]: under JIT, a deadline request that has generated a token stays urgent
       (marginal = its goodput while it can still finish) instead of being deferred until its laxity is
       below the horizon. JIT defers started requests for new arrivals, which are urgent from the start
