@@ -1,5 +1,6 @@
-"""GMAX's batch sizing: on an engine whose step time grows with the batch, the frame runs the number of
-requests that earns the most goodput per second, not always B."""
+"""GMAX's batch sizing. The default fills B slots (JITServe Alg. 1); with ``batch_sizing="goodput"``, on an
+engine whose step time grows with the batch, the frame runs the number of requests that earns the most
+goodput per second, not always B."""
 
 from __future__ import annotations
 
@@ -27,40 +28,43 @@ def test_a_full_batch_that_breaks_every_deadline_is_shrunk_to_the_size_that_meet
     # 12 requests for 8 slots, 100 tokens each by 7.5 s: at 8 (0.10 s/token) and 6 (0.08) every request is
     # late; at 5 (0.07) it is on time.
     views = deadline_requests(12, 7.5)
-    d = make_policy("gmax", bound_share=1.0).schedule(views, ctx(CPU_LIKE))  # the bounds are the lengths
+    sized = make_policy("gmax", batch_sizing="goodput", bound_share=1.0)  # the bounds are the lengths
+    d = sized.schedule(views, ctx(CPU_LIKE))
     assert d.info["batch_size"] == 5
     assert len(d.batch) == 5
 
 
 def test_with_no_more_requests_than_slots_every_request_runs():
     # the same 100-token requests, 8 of them for 8 slots: the batch is not shrunk below N at moderate load
-    d = make_policy("gmax").schedule(deadline_requests(8, 7.5), ctx(CPU_LIKE))
+    d = make_policy("gmax", batch_sizing="goodput").schedule(deadline_requests(8, 7.5), ctx(CPU_LIKE))
     assert len(d.batch) == 8
 
 
-def test_the_paper_variant_and_batch_sizing_full_always_fill_b():
-    views = deadline_requests(12, 7.5)
+def test_the_default_the_paper_variant_and_batch_sizing_full_always_fill_b():
+    views = deadline_requests(12, 7.5)  # the case the goodput sizing shrinks to 5 (first test)
+    assert len(make_policy("gmax").schedule(views, ctx(CPU_LIKE)).batch) == 8
     assert len(make_policy("gmax-paper").schedule(views, ctx(CPU_LIKE)).batch) == 8
     assert len(make_policy("gmax", batch_sizing="full").schedule(views, ctx(CPU_LIKE)).batch) == 8
 
 
 def test_throughput_wins_when_every_request_is_on_time_at_full_batch():
     views = deadline_requests(12, 60.0)  # 10 s of work at B = 8: every deadline holds
-    d = make_policy("gmax").schedule(views, ctx(CPU_LIKE))
+    d = make_policy("gmax", batch_sizing="goodput").schedule(views, ctx(CPU_LIKE))
     assert d.info["batch_size"] == 8 and len(d.batch) == 8
 
 
 def test_without_a_token_time_model_or_with_a_flat_one_the_batch_is_b():
     views = deadline_requests(12, 7.5)
-    assert len(make_policy("gmax").schedule(views, ctx(None)).batch) == 8
+    assert len(make_policy("gmax", batch_sizing="goodput").schedule(views, ctx(None)).batch) == 8
     flat = TokenTimeModel(base_s=0.05, per_request_s=0.0)
-    assert len(make_policy("gmax").schedule(views, ctx(flat)).batch) == 8
+    assert len(make_policy("gmax", batch_sizing="goodput").schedule(views, ctx(flat)).batch) == 8
 
 
 def test_chat_tbt_slos_shrink_the_batch_only_as_far_as_they_need():
     # TBT SLO 0.075 s: on time at up to 5 requests (0.07 s), late beyond; 12 chat requests waiting.
     views = [RequestView(f"c{i}", Kind.LATENCY, 100.0, 50, 0, 100, False, ttft=0.5, tbt=0.075) for i in range(12)]
-    d = make_policy("gmax", bound_share=1.0).schedule(views, ctx(CPU_LIKE))  # the bounds are the lengths
+    sized = make_policy("gmax", batch_sizing="goodput", bound_share=1.0)  # the bounds are the lengths
+    d = sized.schedule(views, ctx(CPU_LIKE))
     assert d.info["batch_size"] == 5
 
 
@@ -76,7 +80,8 @@ def test_slo_sizing_shrinks_below_n_only_when_all_n_would_break_a_tbt_slo():
     d = slo.schedule(views, ctx(CPU_LIKE))
     assert d.info["batch_size"] == 5 and len(d.batch) == 5
     # "goodput" runs every request while N <= B
-    assert len(make_policy("gmax", bound_share=1.0).schedule(views, ctx(CPU_LIKE)).batch) == 7
+    sized = make_policy("gmax", batch_sizing="goodput", bound_share=1.0)
+    assert len(sized.schedule(views, ctx(CPU_LIKE)).batch) == 7
     # with a TBT SLO that all 7 keep (0.09 s <= 0.1 s), "slo" runs every request too
     loose = make_policy("gmax", batch_sizing="slo", bound_share=1.0).schedule(chat_requests(7, 0.1), ctx(CPU_LIKE))
     assert len(loose.batch) == 7 and loose.info["batch_size"] == 8
@@ -152,7 +157,7 @@ def test_the_chosen_size_is_the_one_a_size_by_size_search_picks():
     from jitflow_server.scheduler.synthetic import synthetic_views
 
     views = synthetic_views(200, batch_size=32, seed=8)
-    pol = make_policy("gmax")
+    pol = make_policy("gmax", batch_sizing="goodput")
     c = SchedContext(now=1000.0, batch_size=32, token_time=CPU_LIKE.token_time(32), prefill_rate=4000.0,
                      token_time_model=CPU_LIKE)
     d = pol.schedule(views, c)

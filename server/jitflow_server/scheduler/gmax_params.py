@@ -183,17 +183,18 @@ class GMAXParams:
       whose later stages are underestimated and starts tasks that are later abandoned, which is why it
       needs a ``future_margin`` near the engine's slowdown under load (with a margin of 1 it lost up to
       27 % of the requests on the tuning workloads); "stage" with a margin of 1 was the default before.
-    - ``batch_sizing`` ["goodput"]: how many requests a frame runs. "full": B, as JITServe does (its
-      GPUs' step time barely grows with the batch). "goodput" (ours): when more than B requests want to
-      run, the size among B and fractions of it whose top requests earn the most goodput per second at
-      that size's own token time
-      (``SchedContext.token_time_model``; :meth:`GMAXPolicy._sized`); a smaller size must earn
+    - ``batch_sizing`` ["full"]: how many requests a frame runs. "full": B, as JITServe does (Alg. 1).
+      "goodput" (ours, the default until 2026-11-29): when more than B requests want to run, the size
+      among B and fractions of it whose top requests earn the most goodput per second at that size's own
+      token time (``SchedContext.token_time_model``; :meth:`GMAXPolicy._sized`); a smaller size must earn
       ``batch_margin`` [0.15] more. On a CPU the step time grows about linearly with the batch (demo
-      model: 0.04 s alone, 0.18 s at 32), so a full batch can put every chat request past its TBT SLO
-      and every long deadline request past its deadline; a smaller batch keeps some on time. "slo": as
-      "goodput", and with N ≤ B it sizes too, among N and fractions of it, when running all N would
-      put a latency request past its TBT SLO (:func:`~jitflow_server.scheduler.gmax.latency_slo_broken`):
-      on a CPU whose full batch is slow the batch then shrinks before B requests are waiting.
+      model: 0.04 s alone, 0.18 s at 32), so a full batch can put chat requests past their TBT SLO; a
+      smaller batch keeps some on time, but in the demo's heavy bursts it kept chat calls and left
+      started agent-task calls outside the batch until their tasks missed (docs/scheduling.md "Batch
+      sizing": on the real engine "full" met more agent tasks and served more goodput tokens, in the
+      simulator the two are within 0.01-0.07). "slo": as "goodput", and with N ≤ B it sizes too, among N
+      and fractions of it, when running all N would put a latency request past its TBT SLO
+      (:func:`~jitflow_server.scheduler.gmax.latency_slo_broken`).
     - ``prefill_budget`` ["slack"]: how many prompt tokens one engine step may prefill. "fixed": the
       engine's ``max_num_batched_tokens``, as vLLM does. "slack" (ours, after SLOs-Serve's per-step
       prefill budget): no more than the step can take without putting the next token of a decoding
@@ -247,7 +248,7 @@ class GMAXParams:
     soft_feasibility: float = 0.1
     bound_share: float = 0.7
     compound_value: str = "task"
-    batch_sizing: str = "goodput"
+    batch_sizing: str = "full"
     batch_margin: float = 0.15
     prefill_budget: str = "slack"
     extra: dict = field(default_factory=dict)
