@@ -38,3 +38,20 @@ def test_bench_frame_rejects_bad_arguments(tmp_path):
                                      "--out", str(tmp_path)])
     assert bad_policy.exit_code == 2
     assert not (tmp_path / "frame.json").exists()
+
+
+def test_bench_frame_sets_gmax_parameters_and_refuses_bad_ones(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "sized"
+    res = runner.invoke(app, ["bench", "frame", "--requests", "40", "--repeats", "2", "--policies", "gmax,fcfs",
+                              "--batch-size", "8", "--param", "batch_sizing=goodput", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "frame.json").read_text())["config"]["gmax_params"] == {"batch_sizing": "goodput"}
+    assert "GMAX parameters: `batch_sizing=goodput`." in (out / "frame.md").read_text()
+    bad_value = runner.invoke(app, ["bench", "frame", "--requests", "10", "--policies", "gmax",
+                                    "--param", "batch_sizing=half", "--out", str(tmp_path / "a")])
+    assert bad_value.exit_code == 2 and "batch_sizing" in bad_value.output
+    no_gmax = runner.invoke(app, ["bench", "frame", "--requests", "10", "--policies", "fcfs",
+                                  "--param", "batch_sizing=goodput", "--out", str(tmp_path / "b")])
+    assert no_gmax.exit_code == 2
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -8,8 +8,10 @@ so the snapshot cache sees the id turnover a live engine produces. The first (co
 fresh policy, which parses every request, is reported separately.
 
 Frames get a token-time line (:data:`FRAME_TOKEN_TIME`), as the plug-in's do once the SLO tracker has
-fitted the engine's steps, so GMAX's batch sizing (which scores several batch sizes when more than B
-requests want to run) is timed too; ``--no-token-time-model`` times frames without it.
+fitted the engine's steps, so GMAX's goodput batch sizing (``--param batch_sizing=goodput``, which scores
+several batch sizes when more than B requests want to run) can be timed too; ``--no-token-time-model``
+times frames without it. ``--param NAME=VALUE`` sets a GMAX parameter of every GMAX policy of the run
+(``gmax``, ``gmax-paper``, ``oracle``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 import typer
 
 DEFAULT_POLICIES = "gmax,gmax-paper,oracle,fcfs,sarathi,edf,sjf,las,slos-serve,qlm,tempo,vllm-priority"
+#: The policies ``--param`` applies to (GMAX and its variants).
+GMAX_POLICIES = ("gmax", "gmax-paper", "oracle")
 #: The token-time line of the frames (seconds per token at k requests: 0.01 + 0.00015·k, i.e. 0.02 s at
 #: B = 64, the context's ``token_time``): a GPU-like engine whose step grows mildly with the batch.
 FRAME_TOKEN_TIME = (0.01, 0.00015)
@@ -39,12 +43,13 @@ def _parse_sizes(text: str) -> list[int]:
 
 def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, batch_size: int = 64,
                     churn: float = 0.01, seed: int = 0, progress: object | None = None,
-                    token_time_model: bool = True) -> dict:
+                    token_time_model: bool = True, gmax_params: dict | None = None) -> dict:
     """Measure frame times; returns the JSON-able result dict (see module docstring).
 
     ``sizes``: numbers of queued requests N; ``repeats``: timed frames per (N, policy) after one
     untimed warm frame; ``churn``: fraction of N replaced between frames; ``token_time_model``: give
-    the frames :data:`FRAME_TOKEN_TIME`. Units: milliseconds.
+    the frames :data:`FRAME_TOKEN_TIME`; ``gmax_params``: GMAX parameters of every GMAX policy
+    (:data:`GMAX_POLICIES`). Units: milliseconds. Raises ``ValueError`` for an invalid parameter.
     """
     import time
 
@@ -66,7 +71,7 @@ def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, ba
             for v in pool[:batch_size]:
                 v.running, v.generated, v.kv_tokens = True, 10, v.input_len + 9
             by_id = {v.req_id: v for v in pool}
-            pol = make_policy(name)
+            pol = make_policy(name, **(gmax_params or {})) if name in GMAX_POLICIES else make_policy(name)
             side_cache = SnapshotCache(need_attained=False)  # same views, timed alone: the input-parsing share
             wall: list[float] = []
             cpu: list[float] = []
@@ -109,7 +114,7 @@ def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, ba
             }
     return {
         "config": {"requests": sizes, "policies": policies, "repeats": repeats, "batch_size": batch_size,
-                   "churn": churn, "seed": seed,
+                   "churn": churn, "seed": seed, "gmax_params": gmax_params or {},
                    "token_time_model": list(FRAME_TOKEN_TIME) if token_time_model else None},
         "machine": {"cpus": os.cpu_count(), "loadavg_1m_at_end": os.getloadavg()[0],
                     "python": platform.python_version()},
@@ -136,8 +141,11 @@ def write_frame_report(res: dict, out: Path, command: str) -> None:
         f"Machine: {res['machine']['cpus']} CPUs, 1-min load average at the end "
         f"{res['machine']['loadavg_1m_at_end']:.2f} (other jobs share the cores, so wall time can exceed CPU time).",
         "",
-        ("Token-time line: {:g} + {:g}·k s per token (GMAX's batch sizing runs)".format(*res["config"]["token_time_model"])
-         if res["config"].get("token_time_model") else "No token-time line (GMAX's batch sizing does not run)."),
+        ("Token-time line: {:g} + {:g}·k s per token (GMAX's goodput batch sizing uses it)".format(
+            *res["config"]["token_time_model"])
+         if res["config"].get("token_time_model") else "No token-time line (GMAX's goodput batch sizing does not run)."),
+        "GMAX parameters: " + (", ".join(f"`{k}={v}`" for k, v in res["config"].get("gmax_params", {}).items())
+                               or "the defaults") + ".",
         "",
         "`snapshot` = CPU P50 of converting the views to columns alone (Python attribute reads), "
         "included in the frame time; the rest is the policy proper.",
@@ -180,8 +188,10 @@ def register(bench_app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of the synthetic requests."),
         token_time_model: bool = typer.Option(
             True, "--token-time-model/--no-token-time-model",
-            help="Give frames the step-time line the plug-in gets from the SLO tracker (GMAX's batch sizing "
-                 "uses it)."),
+            help="Give frames the step-time line the plug-in gets from the SLO tracker (GMAX's goodput batch "
+                 "sizing uses it)."),
+        param: list[str] = typer.Option([], "--param", help="GMAX parameter NAME=VALUE for gmax, gmax-paper and "
+                                        "oracle (repeatable; docs/scheduling.md, 'Parameters')."),
     ) -> None:
         """Time one scheduling frame (P50/P99 ms) over N synthetic queued requests, GMAX and baselines."""
         import sys
@@ -189,16 +199,25 @@ def register(bench_app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import Progress
 
-        from jitflow_server.scheduler import POLICY_NAMES
+        from jitflow_server.scheduler import POLICY_NAMES, make_policy
+        from jitflow_server.serve import parse_params
 
         sizes = _parse_sizes(requests)
         names = [p.strip() for p in policies.split(",") if p.strip()]
         bad = [p for p in names if p not in POLICY_NAMES]
         if not names or bad:
             raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(POLICY_NAMES)}")
+        gmax_params = parse_params(param)
+        if gmax_params and not any(p in GMAX_POLICIES for p in names):
+            raise typer.BadParameter("sets GMAX parameters, but --policies has no GMAX policy", param_hint="--param")
+        try:
+            make_policy("gmax", **gmax_params)
+        except (TypeError, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="--param") from None
         with Progress(transient=True) as prog:
             prog.add_task("frames", total=len(sizes) * len(names) * (repeats + 1))
-            res = run_frame_bench(sizes, names, repeats, batch_size, churn, seed, prog, token_time_model)
+            res = run_frame_bench(sizes, names, repeats, batch_size, churn, seed, prog, token_time_model,
+                                  gmax_params)
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
             f"jitflow bench frame --requests {requests} --out {out}")
         write_frame_report(res, out, command)

@@ -18,8 +18,8 @@ stock vLLM: ``n = B`` priced a 192-token request at 20.8 s at 0.7× capacity and
 vLLM served in 6 s; ``n = requests in flight + 1`` (the batch the request joins) refused the late
 requests of a burst whose batch then thinned (stock vLLM served them in 24 s, 5 of 6) and left the
 admitted ones no slack to be started in (27.2 s of work against a 28.6 s deadline: refused 1.4 s
-later), while a policy that sizes its batch (GMAX's ``batch_sizing``) can serve an admitted request
-faster than a full batch would. The engine keeps the
+later), while a policy that sizes its batch (GMAX with ``batch_sizing="goodput"``) can serve an
+admitted request faster than a full batch would. The engine keeps the
 request only while it can still start by ``arrival + latest_start``; if it has not started by then, it is
 removed and the client gets 429 with ``Retry-After``, as for the waiting time. A request whose
 ``latest_start`` has already passed when it arrives is refused at once. Every policy gets the same rule
