@@ -157,3 +157,51 @@ def test_in_the_simulator_a_chat_arriving_behind_a_long_prefill_gets_its_first_t
         assert recs["chat"]["slo_met"] is True and recs["chat"]["ttft"] < 2.0, recs["chat"]
     else:  # vLLM runs the running prompt's chunks first: the chat waits for all of them
         assert recs["chat"]["ttft"] > 2.0, recs["chat"]
+
+
+def test_a_step_cap_bounds_the_step_with_or_without_a_decoding_latency_request():
+    step = linear_step(0.04, 0.002, 0.0007)
+    b = prefill_token_budget(None, 10, step, 2048, max_step_s=0.5)
+    assert step(10, b - 10) <= 0.5 + 1e-9 < step(10, b - 10 + 16)
+    # the tighter of the slack and the cap wins
+    assert prefill_token_budget(30.0, 10, step, 2048, max_step_s=0.5) == b
+    assert prefill_token_budget(0.3, 10, step, 2048, max_step_s=0.5) == prefill_token_budget(0.3, 10, step, 2048)
+
+
+def test_the_pacer_caps_every_step_at_a_share_of_the_smallest_ttft_it_has_seen():
+    step_time = linear_step(0.04, 0.001, 0.0007)
+    doc = Req("doc", False)
+    pacer = make_pacer()
+    # before any latency request the engine's budget, with or without a share
+    assert pacer.step([doc], [], {"doc": 0}, 0.0, step_time, 2048, ttft_share=0.25).budget == 2048
+    chat = Req("chat", False, (0.0, 2.0, 0.1, 0))
+    pacer.step([doc], [chat], {"chat": 0, "doc": 1}, 0.1, step_time, 2048, ttft_share=0.25)
+    assert pacer.min_ttft == 2.0
+    # the chat has come and gone: no latency request decodes or waits, and the step is still capped at 0.5 s
+    capped = pacer.step([doc], [], {"doc": 0}, 5.0, step_time, 2048, ttft_share=0.25)
+    assert capped.budget == prefill_token_budget(None, 0, step_time, 2048, max_step_s=0.5) < 2048
+    assert pacer.step([doc], [], {"doc": 0}, 5.0, step_time, 2048).budget == 2048  # share 0: no cap
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25])
+def test_in_the_simulator_a_step_cap_lets_a_chat_arriving_during_a_long_prefill_in_sooner(share):
+    # a first chat sets the smallest TTFT (1.2 s) and is done before an 8,000-token prompt arrives at 1 s;
+    # its first 2,048-token step runs ~1.4 s, and a second chat arrives 0.05 s into it
+    first = Job("c1", "latency", 0.0, "chat", [[CallSpec(20, 5)]], ttft=1.2, tbt=0.2)
+    doc = Job("doc", "deadline", 1.0, "summary", [[CallSpec(8000, 20)]], deadline=60.0)
+    second = Job("c2", "latency", 1.05, "chat", [[CallSpec(20, 5)]], ttft=1.2, tbt=0.2)
+    pol = make_policy("gmax", prefill_ttft_share=share)
+    out = SimEngine(CPU_LIKE, pol, LengthBounder("oracle"), None, SimConfig(waiting_time=None)).run(
+        [first, doc, second])
+    recs = {r["id"]: r for r in out["jobs"]}
+    assert recs["c1"]["slo_met"] is True and recs["doc"]["slo_met"] is True
+    if share:  # steps of at most 0.3 s: the chat is in the engine within one
+        assert recs["c2"]["slo_met"] is True and recs["c2"]["ttft"] < 0.6, recs["c2"]
+    else:  # the chat waits for the whole step
+        assert recs["c2"]["ttft"] > 1.2, recs["c2"]
+
+
+def test_prefill_ttft_share_must_be_a_finite_non_negative_number():
+    for bad in (-0.1, float("inf")):
+        with pytest.raises(ValueError, match="prefill_ttft_share"):
+            make_policy("gmax", prefill_ttft_share=bad)

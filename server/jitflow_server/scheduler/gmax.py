@@ -167,6 +167,12 @@ class GMAXPolicy:
         (``prefill_budget="slack"``, :func:`~jitflow_server.scheduler.prefill_budget.prefill_token_budget`)."""
         return self.params.prefill_budget == "slack"
 
+    @property
+    def prefill_ttft_share(self) -> float:
+        """Share of the smallest TTFT SLO (s) no paced engine step may exceed (0: no such cap;
+        ``GMAXParams.prefill_ttft_share``)."""
+        return self.params.prefill_ttft_share
+
     def needs_recompute(self, step: int, arrivals_or_finishes: bool) -> bool:
         """True on arrivals/finishes or once Δ decode steps passed since the last frame (§4.2).
 

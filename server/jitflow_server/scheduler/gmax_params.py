@@ -201,6 +201,14 @@ class GMAXParams:
       latency request past its TBT timeline (:mod:`~jitflow_server.scheduler.prefill_budget`). On a CPU a
       2,048-token chunk lengthens a step by over a second, which is what made the demo's chat
       requests miss while their average pace was inside the TBT SLO.
+    - ``prefill_ttft_share`` [0: off]: with ``prefill_budget="slack"``, no engine step runs longer than
+      this share of the smallest TTFT SLO the engine has seen, even when no latency request is decoding
+      (:class:`~jitflow_server.scheduler.prefill_budget.PrefillPacer`). An engine takes new requests only
+      between steps: on the demo's normal phase one step prefilling three agent prompts ran 2.5 s, and
+      the chat requests that arrived during it reached the scheduler only when it ended (docs/benchmarks.md,
+      "The demo"). An option: on five of the demo's seeds 0.25 kept the normal phase's chat at or
+      above stock vLLM's but met fewer agent tasks than stock in two bursts (docs/scheduling.md, "A cap
+      on every step for the requests still to arrive").
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -251,6 +259,7 @@ class GMAXParams:
     batch_sizing: str = "full"
     batch_margin: float = 0.15
     prefill_budget: str = "slack"
+    prefill_ttft_share: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -297,6 +306,8 @@ class GMAXParams:
             raise ValueError(f"batch_margin must be a finite number >= 0, got {self.batch_margin}")
         if not (self.jit_slack >= 0 and np.isfinite(self.jit_slack)):
             raise ValueError(f"jit_slack must be a finite number >= 0, got {self.jit_slack}")
+        if not (self.prefill_ttft_share >= 0 and np.isfinite(self.prefill_ttft_share)):
+            raise ValueError(f"prefill_ttft_share must be a finite number >= 0, got {self.prefill_ttft_share}")
         if self.prefill_budget not in ("slack", "fixed"):
             raise ValueError(f"prefill_budget must be 'slack' or 'fixed', got {self.prefill_budget!r}")
         if self.window not in ("protected", "paper"):

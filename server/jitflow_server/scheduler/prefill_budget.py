@@ -16,6 +16,9 @@ due, less a reserve. Slack that a request has built by decoding faster than its 
 a request already past due is not protected (nothing would win it back, and it would throttle every
 prompt). A second rule (:func:`prefills_to_defer`) puts a waiting latency request's own prompt ahead of
 the running prompts the plan ranks below it, which vLLM would otherwise prefill first.
+An option caps every paced step at a share of the smallest TTFT SLO seen (``max_step_s``; GMAX's
+``prefill_ttft_share``), for latency requests still to arrive: an engine takes new requests only between
+steps.
 
 The rules are pure functions; :class:`PrefillPacer` applies both to one engine step and keeps the little
 state they need between steps. The vLLM plug-in and the simulator each own one pacer and call it every
@@ -62,7 +65,7 @@ def min_decode_slack(decodes: Iterable[tuple[float, float, float, int]], now: fl
 
 def prefill_token_budget(min_slack: float | None, n_decode: int, step_time: Callable[[int, int], float],
                          max_tokens: int, *, reserve_steps: float = 1.0,
-                         min_prefill: int = MIN_PREFILL_TOKENS) -> int:
+                         min_prefill: int = MIN_PREFILL_TOKENS, max_step_s: float | None = None) -> int:
     """Token budget of one engine step (decodes + prefill tokens) under the tightest decode slack.
 
     Args:
@@ -75,15 +78,20 @@ def prefill_token_budget(min_slack: float | None, n_decode: int, step_time: Call
         reserve_steps: slack kept back, in decode steps of ``n_decode`` requests, for what the step-time
             model misses (scheduling, output processing, a step slower than predicted).
         min_prefill: prefill tokens allowed however small the slack (:data:`MIN_PREFILL_TOKENS`).
+        max_step_s: the longest the step may run (s), whatever the slack; ``None``: no such cap. An engine
+            takes new requests only between steps, so a request arriving during a long prefill step waits
+            for all of it before any policy can see it.
 
     Returns:
         Tokens the step may schedule: ``n_decode + min_prefill`` at least, ``max_tokens`` at most.
     """
-    if min_slack is None or max_tokens <= n_decode:
+    if (min_slack is None and max_step_s is None) or max_tokens <= n_decode:
         return max_tokens
     base = step_time(n_decode, 0)
     per_token = (step_time(n_decode, max_tokens) - base) / max_tokens
-    usable = min_slack - (1.0 + reserve_steps) * base
+    usable = min_slack - (1.0 + reserve_steps) * base if min_slack is not None else float("inf")
+    if max_step_s is not None:
+        usable = min(usable, max_step_s - base)
     if per_token <= 0.0:
         return max_tokens
     prefill = int(usable / per_token) if usable > 0 else 0
@@ -135,6 +143,7 @@ class PrefillPacer(Generic[T]):
     Attributes:
         paced_steps: steps whose budget was cut below the engine's.
         deferred_prefills: running prompts deferred, summed over steps.
+        min_ttft: the smallest TTFT SLO (s) of the latency requests seen so far (``inf`` before any).
     """
 
     def __init__(self, rid: Callable[[T], str], decoding: Callable[[T], bool],
@@ -143,9 +152,10 @@ class PrefillPacer(Generic[T]):
         self._deferred_for: set[str] = set()  # the waiting latency requests the last step deferred prompts for
         self.paced_steps = 0
         self.deferred_prefills = 0
+        self.min_ttft = float("inf")  # the smallest TTFT SLO (s) of the latency requests seen so far
 
     def step(self, run_sel: list[T], wait_sel: list[T], rank: dict[str, int], now: float,
-             step_time: Callable[[int, int], float], max_tokens: int) -> PacedStep[T]:
+             step_time: Callable[[int, int], float], max_tokens: int, ttft_share: float = 0.0) -> PacedStep[T]:
         """Pace one step.
 
         Args:
@@ -155,6 +165,10 @@ class PrefillPacer(Generic[T]):
             now: the clock of the timelines (s).
             step_time: predicted step seconds for ``(n_decode, prefill_tokens)``.
             max_tokens: the engine's own token budget per step.
+            ttft_share: when > 0, no step runs longer than this share of the smallest TTFT SLO (s) of the
+                latency requests seen so far, even with no latency request decoding, so that one still to
+                arrive is not held past its TTFT by a long prefill step (``max_step_s`` of
+                :func:`prefill_token_budget`).
 
         Returns:
             A :class:`PacedStep`: :func:`prefills_to_defer` applied (not again for a latency request the last
@@ -173,8 +187,14 @@ class PrefillPacer(Generic[T]):
             prefilling = [r for r in prefilling if self._rid(r) not in defer]
         if not wait_sel and not prefilling:  # nothing to prefill: nothing to pace
             return PacedStep(run_sel, deferred, max_tokens)
-        slack = min_decode_slack((t for r in dec if (t := self._timeline(r)) is not None), now)
-        budget = prefill_token_budget(slack, len(dec), step_time, max_tokens)
+        dec_lines = [t for r in dec if (t := self._timeline(r)) is not None]
+        cap = None
+        if ttft_share > 0:
+            seen = dec_lines + [t for r in wait_sel if (t := self._timeline(r)) is not None]
+            self.min_ttft = min((self.min_ttft, *(t[1] for t in seen)))
+            cap = ttft_share * self.min_ttft if self.min_ttft < float("inf") else None
+        slack = min_decode_slack(dec_lines, now)
+        budget = prefill_token_budget(slack, len(dec), step_time, max_tokens, max_step_s=cap)
         if budget < max_tokens:  # decodes first: the budget holds one token for each of them
             self.paced_steps += 1
             run_sel = dec + prefilling

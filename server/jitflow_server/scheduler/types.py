@@ -181,7 +181,9 @@ class Policy(Protocol):
     Optional: ``reads_attained_service`` (bool, default True when absent) tells an engine whether the
     policy reads :attr:`RequestView.attained_service`; the simulator skips updating it when False.
     ``paces_prefill`` (bool, default False when absent) asks the engine to cap every step's prefill
-    tokens by the slack of its decoding latency requests (:mod:`~jitflow_server.scheduler.prefill_budget`).
+    tokens by the slack of its decoding latency requests (:mod:`~jitflow_server.scheduler.prefill_budget`);
+    ``prefill_ttft_share`` (float, default 0 when absent) then caps every paced step at that share of the
+    smallest TTFT SLO seen.
     """
 
     name: str
