@@ -24,8 +24,6 @@ from pathlib import Path
 import typer
 
 DEFAULT_POLICIES = "gmax,gmax-paper,oracle,fcfs,sarathi,edf,sjf,las,slos-serve,qlm,tempo,vllm-priority"
-#: The policies ``--param`` applies to (GMAX and its variants).
-GMAX_POLICIES = ("gmax", "gmax-paper", "oracle")
 #: The token-time line of the frames (seconds per token at k requests: 0.01 + 0.00015·k, i.e. 0.02 s at
 #: B = 64, the context's ``token_time``): a GPU-like engine whose step grows mildly with the batch.
 FRAME_TOKEN_TIME = (0.01, 0.00015)
@@ -49,12 +47,13 @@ def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, ba
     ``sizes``: numbers of queued requests N; ``repeats``: timed frames per (N, policy) after one
     untimed warm frame; ``churn``: fraction of N replaced between frames; ``token_time_model``: give
     the frames :data:`FRAME_TOKEN_TIME`; ``gmax_params``: GMAX parameters of every GMAX policy
-    (:data:`GMAX_POLICIES`). Units: milliseconds. Raises ``ValueError`` for an invalid parameter.
+    (:func:`~jitflow_server.bench.runner.is_gmax_family`). Units: milliseconds. Raises ``ValueError`` for an invalid parameter.
     """
     import time
 
     import numpy as np
 
+    from jitflow_server.bench.runner import is_gmax_family
     from jitflow_server.scheduler import SchedContext, TokenTimeModel, make_policy
     from jitflow_server.scheduler.snapshot import SnapshotCache
     from jitflow_server.scheduler.synthetic import synthetic_views
@@ -71,7 +70,7 @@ def run_frame_bench(sizes: list[int], policies: list[str], repeats: int = 50, ba
             for v in pool[:batch_size]:
                 v.running, v.generated, v.kv_tokens = True, 10, v.input_len + 9
             by_id = {v.req_id: v for v in pool}
-            pol = make_policy(name, **(gmax_params or {})) if name in GMAX_POLICIES else make_policy(name)
+            pol = make_policy(name, **(gmax_params or {})) if is_gmax_family(name) else make_policy(name)
             side_cache = SnapshotCache(need_attained=False)  # same views, timed alone: the input-parsing share
             wall: list[float] = []
             cpu: list[float] = []
@@ -199,6 +198,7 @@ def register(bench_app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import Progress
 
+        from jitflow_server.bench.runner import is_gmax_family
         from jitflow_server.scheduler import POLICY_NAMES, make_policy
         from jitflow_server.serve import parse_params
 
@@ -208,7 +208,7 @@ def register(bench_app: typer.Typer) -> None:
         if not names or bad:
             raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(POLICY_NAMES)}")
         gmax_params = parse_params(param)
-        if gmax_params and not any(p in GMAX_POLICIES for p in names):
+        if gmax_params and not any(is_gmax_family(p) for p in names):
             raise typer.BadParameter("sets GMAX parameters, but --policies has no GMAX policy", param_hint="--param")
         try:
             make_policy("gmax", **gmax_params)
