@@ -181,6 +181,8 @@ def test_the_pacer_caps_every_step_at_a_share_of_the_smallest_ttft_it_has_seen()
     capped = pacer.step([doc], [], {"doc": 0}, 5.0, step_time, 2048, ttft_share=0.25)
     assert capped.budget == prefill_token_budget(None, 0, step_time, 2048, max_step_s=0.5) < 2048
     assert pacer.step([doc], [], {"doc": 0}, 5.0, step_time, 2048).budget == 2048  # share 0: no cap
+    # more requests unfinished than the batch holds: every step's prefill is queued work, and the cap is off
+    assert pacer.step([doc], [], {"doc": 0}, 5.0, step_time, 2048, ttft_share=0.25, overloaded=True).budget == 2048
 
 
 @pytest.mark.parametrize("share", [0.0, 0.25])

@@ -358,7 +358,8 @@ class JitflowScheduler(Scheduler):
         if not getattr(self.policy, "paces_prefill", False):
             return run_sel, hidden, self._base_token_budget
         step = self.pacer.step(run_sel, wait_sel, rank, now, self.tracker.step_time, self._base_token_budget,
-                               getattr(self.policy, "prefill_ttft_share", 0.0))
+                               getattr(self.policy, "prefill_ttft_share", 0.0),
+                               overloaded=len(self.running) + len(self.waiting) > self.batch_size)
         return step.run, hidden + step.deferred, step.budget
 
     def _timeline(self, r: Request) -> Timeline | None:

@@ -266,7 +266,8 @@ class SimRun(PrefixCaches):
         budget = self.eng.budget0
         if self.pacer is not None:  # the policy's per-step prefill budget, decodes first (as in the plug-in)
             step = self.pacer.step(run_sel, wait_sel, chosen, self.t, self.eng.tracker.step_time, budget,
-                                   getattr(self.pol, "prefill_ttft_share", 0.0))
+                                   getattr(self.pol, "prefill_ttft_share", 0.0),
+                                   overloaded=len(self.running) + len(self.waiting) > self.B)
             run_sel, hidden, budget = step.run, hidden + step.deferred, step.budget
         overflow = len(run_sel) + len(hidden) + len(wait_sel) - 2 * self.B
         if overflow > 0 and hidden:

@@ -202,7 +202,8 @@ class GMAXParams:
       2,048-token chunk lengthens a step by over a second, which is what made the demo's chat
       requests miss while their average pace was inside the TBT SLO.
     - ``prefill_ttft_share`` [0: off]: with ``prefill_budget="slack"``, no engine step runs longer than
-      this share of the smallest TTFT SLO the engine has seen, even when no latency request is decoding
+      this share of the smallest TTFT SLO the engine has seen, even when no latency request is decoding,
+      while the engine holds at most B unfinished requests (under overload the prefill is queued work)
       (:class:`~jitflow_server.scheduler.prefill_budget.PrefillPacer`). An engine takes new requests only
       between steps: on the demo's normal phase one step prefilling three agent prompts ran 2.5 s, and
       the chat requests that arrived during it reached the scheduler only when it ended (docs/benchmarks.md,

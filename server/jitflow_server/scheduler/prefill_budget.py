@@ -18,7 +18,8 @@ prompt). A second rule (:func:`prefills_to_defer`) puts a waiting latency reques
 the running prompts the plan ranks below it, which vLLM would otherwise prefill first.
 An option caps every paced step at a share of the smallest TTFT SLO seen (``max_step_s``; GMAX's
 ``prefill_ttft_share``), for latency requests still to arrive: an engine takes new requests only between
-steps.
+steps. The cap holds only while the engine has room (at most B requests unfinished): under overload
+every step's prefill is work the queue is waiting for, and shorter steps would only serve it slower.
 
 The rules are pure functions; :class:`PrefillPacer` applies both to one engine step and keeps the little
 state they need between steps. The vLLM plug-in and the simulator each own one pacer and call it every
@@ -155,7 +156,8 @@ class PrefillPacer(Generic[T]):
         self.min_ttft = float("inf")  # the smallest TTFT SLO (s) of the latency requests seen so far
 
     def step(self, run_sel: list[T], wait_sel: list[T], rank: dict[str, int], now: float,
-             step_time: Callable[[int, int], float], max_tokens: int, ttft_share: float = 0.0) -> PacedStep[T]:
+             step_time: Callable[[int, int], float], max_tokens: int, ttft_share: float = 0.0,
+             overloaded: bool = False) -> PacedStep[T]:
         """Pace one step.
 
         Args:
@@ -169,6 +171,8 @@ class PrefillPacer(Generic[T]):
                 latency requests seen so far, even with no latency request decoding, so that one still to
                 arrive is not held past its TTFT by a long prefill step (``max_step_s`` of
                 :func:`prefill_token_budget`).
+            overloaded: True when the engine holds more unfinished requests than its batch size B (the
+                caller's count: running and waiting); the ``ttft_share`` cap is then not applied.
 
         Returns:
             A :class:`PacedStep`: :func:`prefills_to_defer` applied (not again for a latency request the last
@@ -192,7 +196,8 @@ class PrefillPacer(Generic[T]):
         if ttft_share > 0:
             seen = dec_lines + [t for r in wait_sel if (t := self._timeline(r)) is not None]
             self.min_ttft = min((self.min_ttft, *(t[1] for t in seen)))
-            cap = ttft_share * self.min_ttft if self.min_ttft < float("inf") else None
+            if not overloaded and self.min_ttft < float("inf"):
+                cap = ttft_share * self.min_ttft
         slack = min_decode_slack(dec_lines, now)
         budget = prefill_token_budget(slack, len(dec), step_time, max_tokens, max_step_s=cap)
         if budget < max_tokens:  # decodes first: the budget holds one token for each of them
