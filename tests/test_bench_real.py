@@ -183,7 +183,7 @@ def test_fidelity_real_from_replays_the_same_workload_analyzer_and_reports_a_ban
 
 @pytest.mark.parametrize("args, option, message", [
     (["--policies", "gmax", "--analyzer-speed", "guess"], "--analyzer-speed", "preset, engine"),
-    (["--policies", "fcfs", "--param", "future_margin=2"], "--param", "no gmax policy"),
+    (["--policies", "fcfs", "--param", "future_margin=2"], "--param", "no GMAX policy"),
     (["--policies", "gmax", "--param", "future_margin=abc"], "--param", "future_margin must be a number"),
     (["--policies", "gmax", "--param", "preemption=maybe"], "--param", "preemption must be true or false"),
     (["--policies", "gmax", "--param", "no_such_knob=1"], "--param", "no_such_knob"),

@@ -29,7 +29,9 @@ def policy_params(name: str, baseline_delta: int, gmax_params: dict | None = Non
     GMAX and its variants ``gmax_params`` (``--param``)."""
     if name in ("edf", "sjf", "las", "sarathi"):
         return {"delta_steps": baseline_delta}
-    return dict(gmax_params or {}) if name.startswith("gmax") else {}
+    from jitflow_server.bench.runner import is_gmax_family
+
+    return dict(gmax_params or {}) if is_gmax_family(name) else {}
 
 
 #: Where the real server's analyzer gets its call-time model in ``bench engine``: the preset (as the
@@ -182,6 +184,26 @@ def common_setup(policies: str, data: Optional[Path], allowed: tuple[str, ...]):
         raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(allowed)}", param_hint="--policies")
     return pols, resolve_data(data)
 
+def gmax_params_option(param: list[str], policies: list[str]) -> dict:
+    """The ``--param NAME=VALUE`` options of a benchmark as GMAX parameters, checked: raises
+    ``typer.BadParameter`` (``--param``) for an item without ``=``, when ``policies`` has no GMAX policy
+    (:func:`~jitflow_server.bench.runner.is_gmax_family`) to apply them to, or when GMAX refuses them."""
+    from jitflow_server.bench.runner import is_gmax_family
+    from jitflow_server.scheduler import make_policy
+    from jitflow_server.serve import parse_params
+
+    gmax_params = parse_params(param)
+    if not gmax_params:
+        return {}
+    if not any(is_gmax_family(p) for p in policies):
+        raise typer.BadParameter("sets GMAX parameters, but --policies has no GMAX policy", param_hint="--param")
+    try:
+        make_policy("gmax", **gmax_params)
+    except (TypeError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--param") from None
+    return gmax_params
+
+
 def workload_setup(preset: str, data_dir, duration: float, rps: float, seed: int, length_scale: float,
                     tightness: float, out: Path):
     """Preset, trace sources and the ``duration × rps`` mixed workload shared by engine and fidelity."""
@@ -235,21 +257,13 @@ def register(bench_app: typer.Typer) -> None:
         from rich.console import Console
 
         from jitflow_server.bench.real import BenchServer, EngineBenchError
-        from jitflow_server.scheduler import make_policy
-        from jitflow_server.serve import parse_params, served_policies
+        from jitflow_server.serve import served_policies
 
         pols, data_dir = common_setup(policies, data, tuple(served_policies()))
         if analyzer_speed not in ANALYZER_SPEEDS:
             raise typer.BadParameter(f"must be one of {', '.join(ANALYZER_SPEEDS)}, got {analyzer_speed!r}",
                                      param_hint="--analyzer-speed")
-        gmax_params = parse_params(param)
-        if gmax_params and not any(p.startswith("gmax") for p in pols):
-            raise typer.BadParameter("sets GMAX parameters, but --policies has no gmax policy", param_hint="--param")
-        if gmax_params:
-            try:
-                make_policy("gmax", **gmax_params)
-            except (TypeError, ValueError) as e:
-                raise typer.BadParameter(str(e), param_hint="--param") from None
+        gmax_params = gmax_params_option(param, pols)
         pm, ds, jobs = workload_setup(preset, data_dir, duration, rps, seed, length_scale, tightness, out)
         con = Console()
         try:

@@ -198,22 +198,15 @@ def register(bench_app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import Progress
 
-        from jitflow_server.bench.runner import is_gmax_family
-        from jitflow_server.scheduler import POLICY_NAMES, make_policy
-        from jitflow_server.serve import parse_params
+        from jitflow_server.bench.engine_cli import gmax_params_option
+        from jitflow_server.scheduler import POLICY_NAMES
 
         sizes = _parse_sizes(requests)
         names = [p.strip() for p in policies.split(",") if p.strip()]
         bad = [p for p in names if p not in POLICY_NAMES]
         if not names or bad:
             raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(POLICY_NAMES)}")
-        gmax_params = parse_params(param)
-        if gmax_params and not any(is_gmax_family(p) for p in names):
-            raise typer.BadParameter("sets GMAX parameters, but --policies has no GMAX policy", param_hint="--param")
-        try:
-            make_policy("gmax", **gmax_params)
-        except (TypeError, ValueError) as e:
-            raise typer.BadParameter(str(e), param_hint="--param") from None
+        gmax_params = gmax_params_option(param, names)
         with Progress(transient=True) as prog:
             prog.add_task("frames", total=len(sizes) * len(names) * (repeats + 1))
             res = run_frame_bench(sizes, names, repeats, batch_size, churn, seed, prog, token_time_model,
