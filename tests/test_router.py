@@ -5,6 +5,7 @@ comes back is used again, and a call queued behind a busy replica moves to an id
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from jitflow_server.bench.server_process import ServerProcess
 pytestmark = pytest.mark.engine
 
 FAST_B, SLOW_B = 8, 2
+HANDOVER_S = 2.0  # the hand-over test's --handover (s)
 
 
 def _replica(port: int, batch: int, log, model: str = "tiny") -> ServerProcess:
@@ -104,17 +106,21 @@ def test_a_call_queued_behind_a_busy_replica_is_handed_over_to_an_idle_one(repli
     # after 2 s while the fast replica is idle, so they move to it and every call is served once. The speeds
     # are measured first: before that the router prices both replicas alike, and a fast replica slowed by
     # the machine's other work (its first tokens later than 2 s) could rightly hand its calls to the slow one.
-    with _router(replicas, "round-robin", replicas["dir"] / "handover.log", "--handover", "2") as (url, _):
+    with _router(replicas, "round-robin", replicas["dir"] / "handover.log", "--handover", str(HANDOVER_S)) as (url, _):
         assert [s for s, _ in _burst(url, 4, 32)] == [200] * 4
         t0 = time.time()
         while not all(r["measured"] for r in _stats(url)["replicas"]) and time.time() - t0 < 30:
             time.sleep(0.5)
         stats0 = _stats(url)
         assert all(r["measured"] for r in stats0["replicas"]), stats0["replicas"]
-        results = _burst(url, 12, 64)
+        # calls long enough that the slow replica's queued ones wait past the hand-over on any machine: each
+        # takes 1.5 hand-overs on one of its slots at its measured speed (64-token calls took 0.7 s there on
+        # a 2-core AMD EPYC with avx512_bf16, and none waited 2 s)
+        tokens = int(min(768, max(64, math.ceil(1.5 * HANDOVER_S * stats0["replicas"][1]["output_tok_s"] / SLOW_B))))
+        results = _burst(url, 12, tokens)
         stats = _stats(url)
     assert [s for s, _ in results] == [200] * 12, [b for s, b in results if s != 200][:2]
-    assert all(b["usage"]["completion_tokens"] == 64 for _, b in results)
+    assert all(b["usage"]["completion_tokens"] == tokens for _, b in results)
     fast, slow = (after["routed"] - before["routed"] for after, before in zip(stats["replicas"], stats0["replicas"]))
     handed_over = stats["handed_over"] - stats0["handed_over"]
     assert handed_over >= 1, stats
