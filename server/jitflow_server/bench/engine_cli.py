@@ -184,6 +184,7 @@ def common_setup(policies: str, data: Optional[Path], allowed: tuple[str, ...]):
         raise typer.BadParameter(f"unknown policies {bad}; valid: {', '.join(allowed)}", param_hint="--policies")
     return pols, resolve_data(data)
 
+
 def gmax_params_option(param: list[str], policies: list[str]) -> dict:
     """The ``--param NAME=VALUE`` options of a benchmark as GMAX parameters, checked: raises
     ``typer.BadParameter`` (``--param``) for an item without ``=``, when ``policies`` has no GMAX policy
