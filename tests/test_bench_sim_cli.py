@@ -57,6 +57,15 @@ def test_bench_sim_rejects_bad_input(tmp_path):
     assert r.exit_code == 2
     r = runner.invoke(app, ["bench", "sim", "--rps", "1,-2", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2
+    # GMAX parameters are checked before anything runs: a bad value, or no GMAX policy to apply them to
+    r = runner.invoke(app, ["bench", "sim", "--policies", "fcfs,gmax", "--param", "future_margin=abc",
+                            "--out", str(tmp_path / "x")])
+    text = " ".join(r.output.replace("│", " ").split())  # rich wraps the message in a box
+    assert r.exit_code == 2 and "--param" in text and "future_margin must be a number" in text
+    r = runner.invoke(app, ["bench", "sim", "--policies", "fcfs,sjf", "--param", "future_margin=2",
+                            "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "no GMAX policy" in " ".join(r.output.replace("│", " ").split())
+    assert not (tmp_path / "x").exists()
 
 
 def test_bench_sim_seeds_average_with_intervals_and_capacity_run(tmp_path):

@@ -293,13 +293,13 @@ def register(bench_app: typer.Typer) -> None:
         """Simulate GMAX and the baselines on the mixed workload; write results and plots."""
         from rich.console import Console
 
+        from jitflow_server.bench.engine_cli import gmax_params_option
         from jitflow_server.bench.estimates import ANALYZER_MODES, LENGTH_MODES
         from jitflow_server.bench.presets import load_preset
         from jitflow_server.bench.progress import step_progress
         from jitflow_server.bench.runner import check_variants
         from jitflow_server.bench.workload import WorkloadError, parse_mix
         from jitflow_server.engine.step_model import PresetError
-        from jitflow_server.serve import parse_params
 
         try:
             model = load_preset(preset)
@@ -342,7 +342,7 @@ def register(bench_app: typer.Typer) -> None:
                      if v not in pols and (v == "gmax-noadmit" or admission != "off")]
         sw_n = sweep_requests or min(requests, 1500)
         data_dir = resolve_data(data)
-        gparams = parse_params(param)
+        gparams = gmax_params_option(param, pols)
         sizes = tuple(int(x) for x in parse_floats(scaling, "--scaling")) if scaling.strip() else ()
         if trace is not None and not trace.is_file():
             raise typer.BadParameter(f"{trace} is not a file", param_hint="--trace")
