@@ -23,6 +23,12 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 DEFAULT_BATCH = 32
 
 
+def cli_text(output: str) -> str:
+    """A CLI's output as one line of words: rich wraps a usage error in a box (``│`` borders) and folds it
+    at the terminal's width, so a message is matched on this, not on the raw text."""
+    return " ".join(output.replace("│", " ").split())
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """``../shared/data`` when present; skips the test otherwise."""

@@ -7,6 +7,7 @@ import os
 import httpx
 import pytest
 
+from conftest import cli_text
 from jitflow_server.bench.engine_cli import policy_params
 from jitflow_server.bench.fidelity_cli import fidelity_diff
 from jitflow_server.bench.metrics import summarize
@@ -168,7 +169,7 @@ def test_fidelity_real_from_replays_the_same_workload_analyzer_and_reports_a_ban
     assert res2["diff"]["gmax"]["token_goodput_rel_diff"] != pytest.approx(0.0, abs=1e-6)
     bad = CliRunner().invoke(app, ["bench", "fidelity", "--real-from", str(src), "--data", str(tmp_path),
                                    "--analyzer-preset", "no-such-preset", "--out", str(tmp_path / "x")])
-    flat = " ".join(bad.output.replace("│", " ").split())
+    flat = cli_text(bad.output)
     assert bad.exit_code == 2 and "--analyzer-preset" in flat
     with pytest.raises(PresetError):
         engine_model.scaled(0.0)
@@ -177,7 +178,7 @@ def test_fidelity_real_from_replays_the_same_workload_analyzer_and_reports_a_ban
     src.write_text(json.dumps(saved, default=float))
     r = CliRunner().invoke(app, ["bench", "fidelity", "--real-from", str(src), "--data", str(tmp_path),
                                  "--out", str(tmp_path / "fid2")])
-    flat = " ".join(r.output.replace("│", " ").split())
+    flat = cli_text(r.output)
     assert r.exit_code == 2 and "--real-from" in flat and "analyzer-speed engine" in flat
 
 
@@ -195,7 +196,7 @@ def test_bench_engine_rejects_a_bad_param_before_starting_a_server(tmp_path, arg
 
     r = CliRunner().invoke(app, ["bench", "engine", "--out", str(tmp_path / "out"), "--data", str(tmp_path), *args])
     assert r.exit_code == 2, r.output
-    text = " ".join(r.output.replace("│", " ").split())  # rich wraps the message in a box
+    text = cli_text(r.output)
     assert option in text and message in text
     assert not (tmp_path / "out" / "server.log").exists()
 

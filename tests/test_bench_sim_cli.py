@@ -8,6 +8,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
+from conftest import cli_text
 from jitflow_server.cli import app
 
 
@@ -60,11 +61,11 @@ def test_bench_sim_rejects_bad_input(tmp_path):
     # GMAX parameters are checked before anything runs: a bad value, or no GMAX policy to apply them to
     r = runner.invoke(app, ["bench", "sim", "--policies", "fcfs,gmax", "--param", "future_margin=abc",
                             "--out", str(tmp_path / "x")])
-    text = " ".join(r.output.replace("│", " ").split())  # rich wraps the message in a box
+    text = cli_text(r.output)
     assert r.exit_code == 2 and "--param" in text and "future_margin must be a number" in text
     r = runner.invoke(app, ["bench", "sim", "--policies", "fcfs,sjf", "--param", "future_margin=2",
                             "--out", str(tmp_path / "x")])
-    assert r.exit_code == 2 and "no GMAX policy" in " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 2 and "no GMAX policy" in cli_text(r.output)
     assert not (tmp_path / "x").exists()
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from conftest import cli_text
 from jitflow_server.bench.presets import CPU_DEMO
 from jitflow_server.bench.stepfit import check_step_model, fit_step_model, load_steps, predict
 from jitflow_server.cli import app
@@ -85,7 +86,7 @@ def test_fit_steps_command_writes_a_loadable_preset(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     r3 = CliRunner().invoke(app, ["bench", "fit-steps", "--steps", str(bad), "--out", str(tmp_path / "x")])
-    flat = " ".join(r3.output.replace("│", " ").split())  # rich wraps the error box at 80 columns
+    flat = cli_text(r3.output)
     assert r3.exit_code == 2 and "not a step log" in flat
 
 
