@@ -34,6 +34,21 @@ def parse_params(params: list[str]) -> dict:
     return out
 
 
+def checked_params(policy: str, params: list[str]) -> dict:
+    """``--param NAME=VALUE`` options of ``policy`` as a dict, checked by building the policy once, so that a
+    bad name or value is a usage error naming ``--param`` before any engine starts (``fcfs`` on the real
+    engine is vLLM's own scheduler and takes none). Raises ``typer.BadParameter``."""
+    from jitflow_server.scheduler import make_policy
+
+    out = parse_params(params)
+    if policy != "fcfs":
+        try:
+            make_policy(policy, **out)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--param") from None
+    return out
+
+
 def is_loopback(host: str) -> bool:
     """True for an address only this machine can reach (``localhost``, 127.0.0.0/8, ``::1``)."""
     import ipaddress
@@ -160,7 +175,7 @@ def register(app: typer.Typer) -> None:
             EngineConfig,
             VLLMEngine,
         )
-        from jitflow_server.scheduler import POLICY_NAMES, make_policy
+        from jitflow_server.scheduler import POLICY_NAMES
         from jitflow_server.scheduler.hints import SIMULATOR_ONLY
         from jitflow_server.settings import env_settings
 
@@ -184,12 +199,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("only the embedded 'vllm' engine is supported", param_hint="--engine")
         if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
             raise typer.BadParameter(f"choose one of {served_policies()}", param_hint="--policy")
-        params = parse_params(param)
-        if policy != "fcfs":
-            try:
-                make_policy(policy, **params)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--param") from None
+        params = checked_params(policy, param)
         try:
             path = resolve_model(model)
         except FileNotFoundError as exc:
@@ -281,11 +291,12 @@ def register(app: typer.Typer) -> None:
 
         if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
             raise typer.BadParameter(f"choose one of {served_policies()}", param_hint="--policy")
+        params = checked_params(policy, param)
         try:
             path = resolve_model(model)
         except FileNotFoundError as exc:
             raise typer.BadParameter(str(exc), param_hint="--model") from None
-        extra = {"jitflow": {"policy": policy, "params": parse_params(param), "batch_size": batch_size}}
+        extra = {"jitflow": {"policy": policy, "params": params, "batch_size": batch_size}}
         dtype = engine_dtype()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                "--served-model-name", model if model in VARIANTS else path.name, "--host", host, "--port", str(port),
