@@ -39,6 +39,7 @@ def gmax(**kw) -> GMAXPolicy:
     kw.setdefault("starvation_delta", 0.0)
     kw.setdefault("request_weight", 0.0)  # the paper's token-only objective
     kw.setdefault("bound_share", 1.0)  # plans with the whole length bound (§4.1)
+    kw.setdefault("deadline_soft_share", 0.0)  # feasible by the bound or not at all
     return GMAXPolicy(**kw)
 
 
@@ -489,6 +490,30 @@ def test_soft_feasibility_keeps_a_share_of_the_value_of_a_stage_the_margin_gives
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="soft_feasibility"):
             GMAXPolicy(soft_feasibility=bad)
+
+
+def test_deadline_soft_share_keeps_a_share_of_the_value_of_a_request_feasible_only_if_its_answer_is_short():
+    """A deadline request bounded at 1 000 tokens, none generated, at 0.01 s a token: planned with 0.7 of
+    the bound it needs 7 s. With 7.5 s left it is feasible at its whole value; with 5 s left only an answer
+    of at most 0.5 of the bound would finish, so it keeps soft_feasibility of its value and ranks as urgent
+    (deferring it loses that share); with 3 s left even 0.35 of the bound (3.5 s) is too late: nothing."""
+    def run(deadline: float, **kw):
+        pol = GMAXPolicy(request_weight=0.0, adapt_p=False, starvation_delta=0.0, bound_share=0.7,
+                         soft_feasibility=0.25, **kw)
+        pol.schedule([dl("d", 100, 1000, deadline=deadline)], ctx(now=0.0, b=1))
+        return pol.last_estimates
+
+    sure, doubtful, lost = (run(d, deadline_soft_share=0.5) for d in (7.5, 5.0, 3.0))
+    assert sure.feasible[0] and sure.goodput[0] == pytest.approx(100 + 700)
+    assert doubtful.feasible[0] and doubtful.goodput[0] == pytest.approx(0.25 * 800)
+    assert doubtful.marginal[0] == pytest.approx(0.25 * 800)
+    assert not lost.feasible[0] and lost.goodput[0] == 0.0
+    off = run(5.0, deadline_soft_share=0.0)  # the rule before: infeasible by the planned share
+    assert not off.feasible[0] and off.goodput[0] == 0.0
+    assert make_policy("gmax-paper").params.deadline_soft_share == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="deadline_soft_share"):
+            GMAXPolicy(deadline_soft_share=bad)
 
 
 def test_compound_value_prices_a_stage_group_by_the_task_or_by_its_own_calls():

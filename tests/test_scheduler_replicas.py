@@ -16,10 +16,16 @@ def replica(i: int, v: float, prefill: float = 5000.0) -> SchedContext:
 def test_picks_the_replica_where_the_deadline_is_still_reachable():
     r = RequestView("r", Kind.DEADLINE, 0.0, 100, 0, 500, False, deadline=9.0)
     ctxs = [replica(0, 0.02), replica(1, 0.01), replica(2, 0.05)]  # 500 tokens: 10 s, 5 s, 25 s
-    best, prio, scores = best_replica(r, ctxs, GMAXPolicy(adapt_p=False, jit=False, bound_share=1.0))
+    hard = GMAXPolicy(adapt_p=False, jit=False, bound_share=1.0, deadline_soft_share=0.0)
+    best, prio, scores = best_replica(r, ctxs, hard)
     assert best == 1
     assert scores[1] == prio == max(scores.values())
     assert scores[0] < scores[1] / 100  # infeasible on replica 0 -> demoted there
+    # with soft feasibility replica 0 could still make it if the answer is short (3.5 s at 0.35 of the
+    # bound): a tenth of the value over twice the time there (about 1/20 of the priority), so replica 1 wins
+    soft = GMAXPolicy(adapt_p=False, jit=False, bound_share=1.0, deadline_soft_share=0.35, soft_feasibility=0.1)
+    best, prio, scores = best_replica(r, ctxs, soft)
+    assert best == 1 and scores[1] / 40 < scores[0] < scores[1] / 10
 
 
 def test_kv_locality_favours_the_home_replica():

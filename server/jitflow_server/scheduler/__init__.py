@@ -58,7 +58,8 @@ def make_policy(name: str, **params: Any) -> Policy:
     """Build a policy by name: ``gmax`` (JIT-ranked GMAX, the default: docs/scheduling.md), ``gmax-paper``
     (the paper's ``goodput/t_gen`` ranking, window, stall pricing and token-only objective, JITServe §4.2:
     ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0,
-    compound_value="task", future_margin=1, batch_sizing="full", bound_share=1, prefill_budget="fixed"``),
+    compound_value="task", future_margin=1, batch_sizing="full", bound_share=1, deadline_soft_share=0,
+    prefill_budget="fixed"``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``, and the
     peer baselines ``vllm-priority`` (vLLM's priority scheduling with SLO-derived priorities),
     ``tempo`` (Tempo's service-density scheduling), ``qlm`` (QLM's request groups and virtual queue) and
@@ -85,6 +86,7 @@ def make_policy(name: str, **params: Any) -> Policy:
             params.setdefault("future_margin", 1.0)  # the analyzer's estimate of the later stages as is
             params.setdefault("batch_sizing", "full")  # Alg. 1 fills B
             params.setdefault("bound_share", 1.0)  # plans with the length upper bound (§4.1)
+            params.setdefault("deadline_soft_share", 0.0)  # feasible by the bound or not at all
             params.setdefault("prefill_budget", "fixed")  # vLLM's chunked prefill as is
         if key == "oracle":
             params.setdefault("use_true_len", True)

@@ -125,7 +125,8 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
     at each token time plus the pending prefill at ``ctx.prefill_rate``.
     Per kind: latency goodput = remaining on-time output tokens at the measured
     speed (:func:`on_time_tokens`); deadline / best-effort goodput = ``ω_i·input + ω_o·output`` if
-    ``now + t_gen ≤ deadline``; compound goodput = the task's estimated tokens (else the stage
+    ``now + t_gen ≤ deadline`` (a deadline request: ``soft_feasibility`` of it if only with
+    ``deadline_soft_share`` of the bound); compound goodput = the task's estimated tokens (else the stage
     group's tokens) if the group can finish in time (``soft_feasibility`` of them if only with the
     analyzer's estimate of the later stages, not ``future_margin`` times it), shared by all members of
     the stage group; with
@@ -205,14 +206,22 @@ def estimate_speeds(snap: Snapshot, ctx: SchedContext, prm: GMAXParams, token_ti
         tr = dline - now
         t_rem[i] = tr
         ok = t_gen[:, i] <= tr + 1e-9
-        feasible[:, i] = ok
         val = base[i] * weight + (0.0 if is_be else req_value)
-        goodput[:, i] = np.where(ok, val, 0.0)
+        value = np.where(ok, val, 0.0)
+        if not is_be and 0 < prm.deadline_soft_share < prm.bound_share and not prm.use_true_len:
+            # feasible only if the answer is as short as deadline_soft_share of the bound: a share of its
+            # value, ranked urgent (GMAXParams.deadline_soft_share)
+            short = np.maximum(prm.deadline_soft_share * (total[i] - gen[i]), 1.0) * v + pre[i]
+            doubtful = (short <= tr + 1e-9) & ~ok
+            value = np.where(doubtful, prm.soft_feasibility * val, value)
+            ok = ok | doubtful
+        feasible[:, i] = ok
+        goodput[:, i] = value
         if marginal is not None:
             urgent = t_gen[:, i] * (1.0 + prm.jit_slack) > tr - frame_s
             if prm.jit_commit and not is_be:
                 urgent |= gen[i] > 0  # started: never deferred just in time (GMAXParams.jit_commit)
-            marginal[:, i] = np.where(ok & urgent, val, 0.0)
+            marginal[:, i] = np.where(ok & urgent, value, 0.0)
 
     # compound stage groups: aggregate over members, share one priority
     if comp_i.size:

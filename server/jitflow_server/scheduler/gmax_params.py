@@ -165,7 +165,16 @@ class GMAXParams:
       could still finish (GMAX met 0.18 of the agent tasks against Tempo's 0.23 under SLOs × 0.6), while
       valuing them fully starts tasks that are then abandoned under load. Such a group is ranked as
       urgent (its slack under the margin is gone) at this share of its value. Chosen on tuning seeds
-      (docs/scheduling.md "Soft feasibility").
+      (docs/scheduling.md "Soft feasibility"). A deadline request doubtful under ``deadline_soft_share``
+      keeps the same share.
+    - ``deadline_soft_share`` [0.35]: a deadline request that cannot finish in time planned with
+      ``bound_share`` of its remaining bound, but can if its answer takes only this share of it, keeps
+      ``soft_feasibility`` of its value and ranks as urgent, instead of being infeasible (never
+      started, then rejected by admission control). The bound is an upper quantile and many answers are
+      far shorter (median bound/true 1.5-2, docs/analyzer.md): judged by the planned share alone, GMAX
+      left 2-4× as many deadline requests to admission control as Tempo, which serves them at a decayed
+      value and meets more. 0 (or not below ``bound_share``): infeasible as before; ``gmax-paper`` sets 0.
+      Chosen on tuning seeds (docs/scheduling.md "Soft feasibility for deadline requests").
     - ``bound_share`` [0.7]: the share of a request's remaining length bound (``len_bound − generated``)
       GMAX plans its generation time, feasibility and priority with (never below one token; a request
       with a true length, under ``use_true_len``, plans with it). The bound is the predictor's
@@ -255,6 +264,7 @@ class GMAXParams:
     request_weight: float = 3.0
     future_margin: float = 3.0
     soft_feasibility: float = 0.1
+    deadline_soft_share: float = 0.35
     bound_share: float = 0.7
     compound_value: str = "task"
     batch_sizing: str = "full"
@@ -329,6 +339,8 @@ class GMAXParams:
             raise ValueError(f"request_weight must be a finite number >= 0, got {self.request_weight}")
         if not 0.0 <= self.soft_feasibility <= 1.0:
             raise ValueError(f"soft_feasibility must be in [0, 1], got {self.soft_feasibility}")
+        if not 0.0 <= self.deadline_soft_share <= 1.0:
+            raise ValueError(f"deadline_soft_share must be in [0, 1], got {self.deadline_soft_share}")
         if not (0 < self.bound_share <= 1):
             raise ValueError(f"bound_share must be in (0, 1], got {self.bound_share}")
         if not (self.future_margin >= 1 and np.isfinite(self.future_margin)):
