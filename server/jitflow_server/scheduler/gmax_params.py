@@ -172,7 +172,7 @@ class GMAXParams:
       ``soft_feasibility`` of its value and ranks as urgent, instead of being infeasible (never
       started, then rejected by admission control). The bound is an upper quantile and many answers are
       far shorter (median bound/true 1.5-2, docs/analyzer.md): judged by the planned share alone, GMAX
-      left 2-4× as many deadline requests to admission control as Tempo, which serves them at a decayed
+      left 2-5× as many deadline requests to admission control as Tempo, which serves them at a decayed
       value and meets more. 0 (or not below ``bound_share``): infeasible as before; ``gmax-paper`` sets 0.
       Chosen on tuning seeds (docs/scheduling.md "Soft feasibility for deadline requests").
     - ``bound_share`` [0.7]: the share of a request's remaining length bound (``len_bound − generated``)
