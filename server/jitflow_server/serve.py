@@ -34,18 +34,24 @@ def parse_params(params: list[str]) -> dict:
     return out
 
 
-def checked_params(policy: str, params: list[str]) -> dict:
-    """``--param NAME=VALUE`` options of ``policy`` as a dict, checked by building the policy once, so that a
-    bad name or value is a usage error naming ``--param`` before any engine starts (``fcfs`` on the real
-    engine is vLLM's own scheduler and takes none). Raises ``typer.BadParameter``."""
+def check_policy_params(policy: str, params: dict) -> None:
+    """Check ``params`` (parsed ``--param`` options) by building ``policy`` once, so that a bad name or value
+    is a usage error naming ``--param`` before any engine or simulation starts (``fcfs`` on the real engine
+    is vLLM's own scheduler and takes none). Raises ``typer.BadParameter``."""
     from jitflow_server.scheduler import make_policy
 
-    out = parse_params(params)
     if policy != "fcfs":
         try:
-            make_policy(policy, **out)
-        except ValueError as exc:
+            make_policy(policy, **params)
+        except (TypeError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--param") from None
+
+
+def checked_params(policy: str, params: list[str]) -> dict:
+    """``--param NAME=VALUE`` options of ``policy`` as a dict, checked (:func:`check_policy_params`).
+    Raises ``typer.BadParameter``."""
+    out = parse_params(params)
+    check_policy_params(policy, out)
     return out
 
 

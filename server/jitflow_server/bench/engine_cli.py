@@ -190,18 +190,14 @@ def gmax_params_option(param: list[str], policies: list[str]) -> dict:
     ``typer.BadParameter`` (``--param``) for an item without ``=``, when ``policies`` has no GMAX policy
     (:func:`~jitflow_server.bench.runner.is_gmax_family`) to apply them to, or when GMAX refuses them."""
     from jitflow_server.bench.runner import is_gmax_family
-    from jitflow_server.scheduler import make_policy
-    from jitflow_server.serve import parse_params
+    from jitflow_server.serve import check_policy_params, parse_params
 
     gmax_params = parse_params(param)
     if not gmax_params:
         return {}
     if not any(is_gmax_family(p) for p in policies):
         raise typer.BadParameter("sets GMAX parameters, but --policies has no GMAX policy", param_hint="--param")
-    try:
-        make_policy("gmax", **gmax_params)
-    except (TypeError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="--param") from None
+    check_policy_params("gmax", gmax_params)
     return gmax_params
 
 
