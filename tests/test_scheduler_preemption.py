@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from jitflow_server.scheduler import GMAXPolicy, Kind, RequestView, SchedContext
 
 V, DELTA, PREFILL = 0.01, 50, 1000.0
@@ -162,3 +166,36 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     # long ones keep most of the discount: only their 112-token tail is charged in full
     assert not admitted(1520, 5000.0, apc=False, block=None)
     assert admitted(1520, 5000.0, apc=True, block=128)
+
+
+
+def test_a_chat_request_far_above_a_running_request_pauses_it_at_no_stall():
+    """A full batch (B = 2): S, a deadline request that earns goodput, and R, a long best-effort request
+    whose pause, priced as a recompute of its 6 000 KV tokens at S's goodput rate, outweighs admitting
+    anything. A waiting chat request L ranked far above R takes R's slot when R only pauses (its KV
+    fits): a pause keeps R's KV, so it costs no recompute (``latency_pause_ratio``). It does not when R
+    would be preempted (the KV does not fit), when the ratio asked for is above the priorities' ratio
+    (or 0, the rule before), nor for a deadline request ranked as high as L."""
+    r = RequestView("R", Kind.BEST_EFFORT, 0.0, 10, 500, 20_000, True, kv_tokens=6_000)
+    s = RequestView("S", Kind.DEADLINE, 0.0, 10, 10, 200, True, kv_tokens=20, deadline=3.0)
+    chat = RequestView("L", Kind.LATENCY, 0.9, 10, 0, 100, False, ttft=2.0, tbt=0.1, admit_by=5.9)
+    kw = dict(adapt_p=False, starvation_delta=0.0, delta_steps=DELTA, request_weight=0.0, full_priorities=True)
+
+    def run(*views, kv=10**7, **params):
+        c = SchedContext(now=1.0, batch_size=2, token_time=V, prefill_rate=PREFILL, kv_capacity_tokens=kv)
+        return GMAXPolicy(**kw, **params).schedule(list(views), c)
+
+    d = run(r, s, chat)
+    ratio = d.priorities["L"] / d.priorities["R"]
+    assert ratio > 30  # the chat request outranks R by far
+    assert sorted(d.batch) == ["L", "S"] and d.preempt == []  # R is paused, not preempted
+    for kept in (run(r, s, chat, latency_pause_ratio=0), run(r, s, chat, latency_pause_ratio=2 * ratio),
+                 run(r, s, chat, kv=6_050)):
+        assert sorted(kept.batch) == ["R", "S"] and kept.preempt == [] and kept.info["swapped_back"] == 1
+    # a deadline request ranked as high as the chat request: the pause stays priced
+    urgent = RequestView("D", Kind.DEADLINE, 0.9, 10, 0, 100, False, deadline=2.5, admit_by=5.9)
+    pr = run(r, s, urgent)
+    assert pr.priorities["D"] > 30 * pr.priorities["R"] and sorted(pr.batch) == ["R", "S"]
+    for bad in (0.5, -1, math.inf):
+        with pytest.raises(ValueError, match="latency_pause_ratio"):
+            GMAXPolicy(latency_pause_ratio=bad)

@@ -410,7 +410,7 @@ class GMAXPolicy:
         must_free = set(displaced[displaced.size - overflow:].tolist()) if overflow else set()
         # the pairing loop reads single values: Python floats (same IEEE arithmetic as numpy's scalars,
         # a tenth of the cost per read)
-        prio_of, kv_of = prio.tolist(), snap.kv_tokens.tolist()
+        prio_of, kv_of, kind_of = prio.tolist(), snap.kv_tokens.tolist(), snap.kind.tolist()
         grate_of = grate.tolist() if by_goodput else None
         block = ctx.kv_block_size if prm.block_pricing else None
         for d in displaced.tolist():
@@ -424,7 +424,11 @@ class GMAXPolicy:
             if not admitted:
                 break
             a = admitted[0]
-            paused = fits and prm.free_pause and d not in must_free
+            # a pause keeps the displaced request's KV: free for all (free_pause) or for a latency request
+            # that outranks it latency_pause_ratio times (GMAXParams.latency_pause_ratio)
+            paused = fits and d not in must_free and (prm.free_pause or (
+                prm.latency_pause_ratio > 0 and kind_of[a] == LATENCY
+                and prio_of[a] >= prm.latency_pause_ratio * prio_of[d]))
             stall = 0.0 if paused else recompute_tokens(kv_of[d], evict_risk, block) / rate
             gain = (prio_of[a] - prio_of[d]) * frame_s
             loss = stall * (batch_rate - grate_of[a] if by_goodput else speed)

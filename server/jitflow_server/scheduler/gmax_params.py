@@ -41,6 +41,15 @@ class GMAXParams:
       anyway, so free pauses churn (measured, docs/benchmarks-history.md "How the JIT ranking was chosen": False gives 5–45 %
       more goodput). The weakest displaced requests that do not fit ``max_running`` are always priced
       as a recompute and preempted by the policy itself.
+    - ``latency_pause_ratio`` [30.0]: a waiting latency request whose priority is at least this many
+      times a displaced running request's takes its slot with the pause priced at no stall, when the
+      displaced request only pauses (its KV stays: everything fits and it is within
+      ``SchedContext.max_running``). Without it a chat request ranked 45x above every running one
+      waited outside a full batch until admission control rejected it, since each pause was priced as a
+      recompute at the whole batch's goodput rate (0.94 of chat requests met at 1.5x capacity against
+      Tempo's 0.97, which pauses freely). 0: every pause priced (as before; ``gmax-paper`` pauses
+      freely anyway through ``free_pause``). Chosen on tuning seeds (docs/scheduling.md "Pausing for a
+      chat request").
     - ``fairness`` [0.0]: f of ``(1−f)·priority + f·Fair(r)`` (§4.3); 0 disables the blend.
     - ``fair_fn`` [None]: ``(snapshot, ctx) -> array in [0, 1]`` (1 = most deserving); default is
       ``1 − attained/max(attained)`` (least attained service first, VTC-like).
@@ -260,6 +269,7 @@ class GMAXParams:
     full_priorities: bool = False
     starvation_clock: str = "waiting"
     free_pause: bool = False
+    latency_pause_ratio: float = 30.0
     stall_value: str = "goodput"
     request_weight: float = 3.0
     future_margin: float = 3.0
@@ -337,6 +347,8 @@ class GMAXParams:
             raise ValueError(f"preempt_margin must be >= 0, got {self.preempt_margin}")
         if not (self.request_weight >= 0 and np.isfinite(self.request_weight)):
             raise ValueError(f"request_weight must be a finite number >= 0, got {self.request_weight}")
+        if not (self.latency_pause_ratio == 0 or 1 <= self.latency_pause_ratio < math.inf):
+            raise ValueError(f"latency_pause_ratio must be 0 (off) or a finite number >= 1, got {self.latency_pause_ratio}")
         if not 0.0 <= self.soft_feasibility <= 1.0:
             raise ValueError(f"soft_feasibility must be in [0, 1], got {self.soft_feasibility}")
         if not 0.0 <= self.deadline_soft_share <= 1.0:
