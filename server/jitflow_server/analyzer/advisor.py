@@ -86,7 +86,7 @@ class StageAdvice:
     """Advice for the open stage of a compound task.
 
     ``sub_deadline``: absolute time on the clock of the task start ``t0`` (s); ``task_rem_gen_time``:
-    estimated generation time of the later stages (slot-seconds); ``task_tokens_est``: estimated input +
+    estimated time of the later stages (s, :func:`remaining_time`); ``task_tokens_est``: estimated input +
     output tokens of the whole task (``None``: unknown); ``len_bound``: bound from the matched stage's
     outputs at 0 generated tokens (tokens, ``None``: no match), not yet capped by ``max_tokens``;
     ``matched``: summary of the match (graph id, score, stage count, candidates, match time in ms) or

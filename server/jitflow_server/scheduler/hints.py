@@ -86,7 +86,7 @@ class SchedHints:
         task_id, stage_index: the compound task and stage; calls with the same pair share a priority.
         len_bound: upper bound on the total output length (tokens, ≥ 1; JITServe §4.1).
         task_tokens_est: estimated input + output tokens of the whole task (tokens).
-        task_rem_gen_time: estimated generation time of the task's later stages (slot-seconds).
+        task_rem_gen_time: estimated time of the task's later stages (s: each stage's recorded span or longest chain of calls).
         version: wire version (:data:`HINTS_VERSION`).
 
     Raises:

@@ -88,7 +88,7 @@ class Snapshot:
     deadline: np.ndarray  # absolute s or NaN
     sub_deadline: np.ndarray  # absolute s or NaN
     task_tokens_est: np.ndarray  # tokens or NaN
-    task_rem_gen_time: np.ndarray  # slot-seconds
+    task_rem_gen_time: np.ndarray  # s, the later stages' spans summed
     attained: np.ndarray  # tokens
     true_len: np.ndarray  # tokens or NaN
     group: np.ndarray  # int64, -1 if not in a compound stage group

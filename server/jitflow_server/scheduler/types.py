@@ -55,8 +55,9 @@ class RequestView:
     For ``Kind.COMPOUND`` requests ``deadline`` is the task deadline and ``sub_deadline`` the
     stage's sub-deadline ``T0 + φ(s)·D`` from the analyzer; calls with the same
     ``(task_id, stage_index)`` form one *stage group* that shares a priority.
-    ``task_rem_gen_time`` is the estimated generation time (slot-seconds, i.e. summed over the
-    calls) of the task's stages after this one; ``attained_service`` is the number of tokens the
+    ``task_rem_gen_time`` is the estimated time (s) of the task's stages after this one (each stage's
+    recorded span in the matched history graph, or its longest chain of calls at the call-time model,
+    summed over the stages); ``attained_service`` is the number of tokens the
     request's program/task has already received (engine-tracked, used by LAS).
     ``admit_by`` is the time by which a request that has never been scheduled must be admitted or
     the engine's admission control rejects it (``arrival + waiting_time``, JITServe §5); ``None``
