@@ -168,7 +168,6 @@ def test_prefix_cache_discount_covers_only_whole_kv_blocks():
     assert admitted(1520, 5000.0, apc=True, block=128)
 
 
-
 def test_a_chat_request_far_above_a_running_request_pauses_it_at_no_stall():
     """A full batch (B = 2): S, a deadline request that earns goodput, and R, a long best-effort request
     whose pause, priced as a recompute of its 6 000 KV tokens at S's goodput rate, outweighs admitting

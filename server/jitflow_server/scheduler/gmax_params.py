@@ -46,7 +46,7 @@ class GMAXParams:
       displaced request only pauses (its KV stays: everything fits and it is within
       ``SchedContext.max_running``). Without it a chat request ranked 45x above every running one
       waited outside a full batch until admission control rejected it, since each pause was priced as a
-      recompute at the whole batch's goodput rate (0.94 of chat requests met at 1.5x capacity against
+      recompute at the goodput rate of the rest of the batch (0.94 of chat requests met at 1.5x capacity against
       Tempo's 0.97, which pauses freely). 0: every pause priced (as before; ``gmax-paper`` pauses
       freely anyway through ``free_pause``). Chosen on tuning seeds (docs/scheduling.md "Pausing for a
       chat request").
