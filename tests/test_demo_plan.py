@@ -166,6 +166,7 @@ def test_server_start_failure_is_a_clean_error(tmp_path):
 
 
 def test_slos_scale_with_the_measured_step_time():
+    from jitflow_server.api.state import ServerSettings
     from jitflow_server.demo.calibrate import Capacity
     from jitflow_server.demo.main import REFERENCE_STEP_S, DemoOptions, _phases, slo_factor
 
@@ -181,9 +182,12 @@ def test_slos_scale_with_the_measured_step_time():
         assert (c.research_deadline, c.tot_deadline) == pytest.approx((2 * base.research_deadline,
                                                                        2 * base.tot_deadline))
         assert c.deadline_tokens == base.deadline_tokens and c.grace == base.grace
+        assert c.waiting_time == pytest.approx(2 * base.waiting_time)  # admission keeps its share of the deadline
+    assert base.waiting_time == ServerSettings().default_waiting_time  # as set: the server's own default
     assert slo_factor(opts, cap(100 * REFERENCE_STEP_S)) == 4.0  # clipped
     fast = _phases(opts, cap(0.5 * REFERENCE_STEP_S))  # a faster full batch keeps the SLOs as set
-    assert (fast[0].cfg.ttft, fast[0].cfg.tbt, fast[1].cfg.deadline) == (base.ttft, base.tbt, base.deadline)
+    assert (fast[0].cfg.ttft, fast[0].cfg.tbt, fast[1].cfg.deadline, fast[1].cfg.waiting_time) == (
+        base.ttft, base.tbt, base.deadline, base.waiting_time)
     assert slo_factor(opts, cap(float("nan"))) == 1.0  # unknown step time (--capacity given)
     off = DemoOptions(slos=DemoConfig(grace=20.0), scale_slos=False)
     assert _phases(off, cap(2 * REFERENCE_STEP_S))[0].cfg.tbt == base.tbt

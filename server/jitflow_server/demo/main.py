@@ -146,7 +146,7 @@ def _announce(opts: DemoOptions, cap: Capacity, phases: list[Phase], console: An
     console.print(f"SLOs ×{f:.2f} for this machine's speed ({cap.step_s * 1000:.0f} ms between tokens at "
                   f"full batch, set for {REFERENCE_STEP_S * 1000:.0f} ms; stretched, never tightened): chat TTFT "
                   f"{s.ttft:.2f} s, TBT {s.tbt:.3f} s; deadline {s.deadline:.1f} s; tasks {s.research_deadline:.0f} / "
-                  f"{s.tot_deadline:.0f} s")
+                  f"{s.tot_deadline:.0f} s; admission waiting time {s.waiting_time:.1f} s")
     for ph, asked in zip(phases, (opts.normal_load, opts.burst_load), strict=True):
         c = ph.cfg
         how = "" if ph.load == asked else f" ({asked:g}×, its overload stretched ×{f:.2f} with the SLOs)"

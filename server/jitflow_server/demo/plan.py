@@ -29,6 +29,10 @@ class DemoConfig:
         research_deadline, tot_deadline: their task deadlines.
         ttft, tbt: latency SLO of chat requests.
         deadline: SLO of deadline requests (E2EL).
+        waiting_time: jitflow's admission control (JITServe §5) rejects a chat or deadline request its engine
+            has not started within this many seconds (the server's own default, 5 s, when the SLOs are as
+            set); stretched with the other SLOs on a slower machine so that it keeps its share of the
+            deadline. Stock vLLM has no admission control and ignores it.
         chat_tokens, deadline_tokens: ``(min, max)`` ``max_tokens`` of chat / deadline requests.
         grace: after the last arrival, wait at most this long for in-flight work.
         seed: RNG seed of the plan (same seed = same load).
@@ -44,6 +48,7 @@ class DemoConfig:
     ttft: float = 2.0
     tbt: float = 0.1
     deadline: float = 20.0
+    waiting_time: float = 5.0
     chat_tokens: tuple[int, int] = (32, 128)
     deadline_tokens: tuple[int, int] = (64, 192)
     grace: float = 30.0
@@ -51,7 +56,7 @@ class DemoConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        for name in ("duration", "ttft", "tbt", "deadline", "research_deadline", "tot_deadline"):
+        for name in ("duration", "ttft", "tbt", "deadline", "waiting_time", "research_deadline", "tot_deadline"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -88,11 +93,13 @@ BASE_MIX = BaseMix()
 
 def scaled_slos(slos: DemoConfig, factor: float) -> DemoConfig:
     """``slos`` with every time SLO (chat TTFT and TBT, the deadline requests' E2EL, both task deadlines)
-    multiplied by ``factor`` (> 0). Raises ``ValueError`` for a factor that is not positive and finite."""
+    and the admission waiting time multiplied by ``factor`` (> 0). Raises ``ValueError`` for a factor that is
+    not positive and finite."""
     if not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"SLO factor must be positive, got {factor!r}")
     return replace(slos, ttft=slos.ttft * factor, tbt=slos.tbt * factor, deadline=slos.deadline * factor,
-                   research_deadline=slos.research_deadline * factor, tot_deadline=slos.tot_deadline * factor)
+                   waiting_time=slos.waiting_time * factor, research_deadline=slos.research_deadline * factor,
+                   tot_deadline=slos.tot_deadline * factor)
 
 
 def phase_config(scale: float, duration: float, seed: int, slos: DemoConfig,

@@ -66,7 +66,7 @@ async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) 
             if job.kind == "chat":
                 stream = await client.chat.completions.create(
                     model=model, messages=msgs, max_tokens=job.max_tokens, stream=True,
-                    slo=jitflow.Latency(ttft=cfg.ttft, tbt=cfg.tbt))
+                    slo=jitflow.Latency(ttft=cfg.ttft, tbt=cfg.tbt), waiting_time=cfg.waiting_time)
                 async with stream:
                     async for _ in stream:
                         pass
@@ -74,7 +74,7 @@ async def _run_request(client: Any, job: LoadItem, cfg: DemoConfig, model: str) 
             else:
                 r = await client.chat.completions.create(
                     model=model, messages=msgs, max_tokens=job.max_tokens,
-                    slo=jitflow.Deadline(job.deadline or cfg.deadline))
+                    slo=jitflow.Deadline(job.deadline or cfg.deadline), waiting_time=cfg.waiting_time)
                 timing, usage = r.jitflow, r.usage
     except TimeoutError:
         return ReqRecord(job.kind, job.t, "unfinished", error=f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline")
