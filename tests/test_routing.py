@@ -43,6 +43,26 @@ def test_backlog_drains_with_time():
     assert b.at(5.0) == [0.0]  # time does not run backwards
 
 
+def test_the_backlog_of_calls_in_flight_is_their_work_at_each_replicas_speed_in_routing_order():
+    from types import SimpleNamespace as F
+
+    flights = [F(replica=0, prompt_tokens=400, est_output=300.0, generated=0, urgent=False, deadline=10.0),
+               F(replica=1, prompt_tokens=400, est_output=300.0, generated=120, urgent=True, deadline=None),
+               F(replica=0, prompt_tokens=50, est_output=100.0, generated=100, urgent=True, deadline=1.0),
+               F(replica=0, prompt_tokens=80, est_output=20.0, generated=5, urgent=False, deadline=3.0)]
+    b = Backlog.in_flight(0.0, [FAST, SLOW], flights)
+    # a call with a token has its prompt in the KV cache; one at or past its estimate still needs a token
+    w = [FAST.work_s(400, 300.0), SLOW.work_s(0, 180.0), FAST.work_s(0, 1.0), FAST.work_s(0, 15.0)]
+    assert b.work == pytest.approx([w[0] + w[2] + w[3], w[1]])
+    assert b.urgent == pytest.approx([w[2], w[1]])
+    # pending: the calls with a deadline that finish by it behind the work routed before them (the third is
+    # due at 1 s, behind 1.7 s of work)
+    assert [e[1:] for e in b.pending[0]] == [(10.0, 300.0), (3.0, 20.0)] and b.pending[1] == []
+    assert [e[0] for e in b.pending[0]] == pytest.approx([w[0], w[0] + w[2] + w[3]])
+    later = Backlog.in_flight(9.0, [FAST, SLOW], flights[:1])  # 1.7 s of work from 9 s misses 10 s
+    assert later.pending[0] == [] and later.work[0] == pytest.approx(w[0])
+
+
 def test_goodput_router_does_not_make_a_pending_request_late_where_least_loaded_does():
     def state() -> Backlog:
         b = Backlog([FAST, SLOW])

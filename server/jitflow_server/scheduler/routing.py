@@ -123,14 +123,22 @@ class Backlog:
         n = len(speeds)
         work, urgent = [0.0] * n, [0.0] * n
         pending: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
+        # ReplicaSpeed.work_s inlined (seconds per prompt and per output token): this loop runs over every
+        # call in flight at each routing decision; inlined, a decision over 300 calls took 114-180 µs P50
+        # against 316-347 µs with the method call (measured side by side, docs/deployment.md)
+        per_in = [1.0 / s.prefill_tok_s for s in speeds]
+        per_out = [1.0 / s.output_tok_s for s in speeds]
         for f in flights:
             i = f.replica
-            w = speeds[i].work_s(0 if f.generated else f.prompt_tokens, max(f.est_output - f.generated, 1.0))
+            g = f.generated
+            left = f.est_output - g
+            w = (left if left > 1.0 else 1.0) * per_out[i] + (0.0 if g else f.prompt_tokens * per_in[i])
             work[i] += w
             if f.urgent:
                 urgent[i] += w
-            if f.deadline is not None and now + work[i] <= f.deadline:
-                pending[i].append((now + work[i], f.deadline, f.est_output))
+            d = f.deadline
+            if d is not None and now + work[i] <= d:
+                pending[i].append((now + work[i], d, f.est_output))
         return cls.measured(now, speeds, work, urgent, pending)
 
     def at(self, now: float) -> list[float]:
