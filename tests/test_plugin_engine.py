@@ -259,7 +259,9 @@ def _paced_run(c: httpx.Client, url: str, ttfts: tuple[float, ...] = (2.0, 2.3, 
     which that slack is positive but shorter than a full prefill chunk, and the budget is cut in the steps
     that start in it. One stretch is about one step long and a step can straddle it, so the chats' TTFTs are
     staggered (``ttfts``): one stretch each. ``feeders`` clients keep a prompt waiting for prefill
-    (``max_tokens`` 1 each, a bounded loop) from the chats' start until a second after the last TTFT."""
+    (``max_tokens`` 1 each, a bounded loop) from the chats' start until a second after the last TTFT; their
+    ``waiting_time`` is long because on a slow CPU (2 ms per prompt token) a queue of 3,000-token prompts
+    outlasts the server's default and admission control would answer 429."""
     import concurrent.futures as cf
 
     paced0 = c.get("/v1/jitflow/engine").json()["paced_steps"]
@@ -272,7 +274,7 @@ def _paced_run(c: httpx.Client, url: str, ttfts: tuple[float, ...] = (2.0, 2.3, 
         codes = []
         while time.time() < until and len(codes) < 200:
             doc = {"model": "tiny", "prompt": [10 + (i * 7 + len(codes) * 13 + k) % 1900 for k in range(prompt_tokens)],
-                   "max_tokens": 1, "slo": {"kind": "deadline", "deadline": 600}}
+                   "max_tokens": 1, "slo": {"kind": "deadline", "deadline": 600, "waiting_time": 600}}
             codes.append(httpx.post(url + "/v1/completions", json=doc, timeout=600).status_code)
         return codes
 
