@@ -434,7 +434,8 @@ def run_cli(args: argparse.Namespace, *, validate: Callable[[], None], run: Call
 
 async def run_agent_task(body: Callable[[], Any], *, app: str, deadline: float, client: Any, model: str | None,
                          metadata: dict[str, Any], fetch_view: bool = True,
-                         on_cancel: Callable[[TaskReport], None] | None = None) -> tuple[Any, TaskReport]:
+                         on_cancel: Callable[[TaskReport], None] | None = None,
+                         waiting_time: float | None = None) -> tuple[Any, TaskReport]:
     """Run ``await body()`` as one compound task of ``app`` (``@jitflow.agent``) and report on it.
 
     Returns ``(body's value or None when the task failed, TaskReport)``. Errors of the task (deadline,
@@ -442,10 +443,12 @@ async def run_agent_task(body: Callable[[], Any], *, app: str, deadline: float, 
     ``fetch_view`` the server's view of the task (sub-deadlines) is added to the report. When the
     caller cancels the task (e.g. its own time limit), ``on_cancel`` gets the report of what ran so far
     (outcome ``failed``, the cancellation as its error) before the cancellation propagates.
+    ``waiting_time``: the admission bound (s) of each of the task's LLM calls (None: the server's).
     """
     holder: dict[str, jitflow.Task] = {}
 
-    @jitflow.agent(app=app, deadline=deadline, client=client, model=model, metadata=metadata)
+    @jitflow.agent(app=app, deadline=deadline, client=client, model=model, metadata=metadata,
+                   waiting_time=waiting_time)
     async def task_body() -> Any:
         task = jitflow.current_task()
         assert task is not None

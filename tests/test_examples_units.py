@@ -1,5 +1,6 @@
 """Unit tests of the example apps' pure parts (no server): Game-of-24 rules, schemas, BM25 search,
-JSON fallback, error unwrapping and CLI argument checks."""
+JSON fallback, error unwrapping and CLI argument checks; what the apps send, against the SDK's
+``FakeServer`` transport."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import socket
 from fractions import Fraction
 from pathlib import Path
 
+import anyio
 import pytest
 from examples._common import clamp_items, jitflow_error, parse_json_object
-from examples.deep_research.agent import ResearchConfig, query_schema, reflection_schema
+from examples.deep_research.agent import ResearchConfig, query_schema, reflection_schema, run_research
 from examples.deep_research.search import SearchIndex, default_index, tokenize
-from examples.tree_of_thoughts.agent import ToTConfig, propose_schema, value_schema
+from examples.tree_of_thoughts.agent import ToTConfig, propose_schema, run_tot, value_schema
 from examples.tree_of_thoughts.game24 import TARGET, initial_state, legal_moves, solve
 
 import jitflow
+from conftest_sdk import FakeServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,3 +181,23 @@ def test_pattern_corpora_load_and_use_the_apps_stage_names():
         assert g.app == "tree-of-thoughts" and g.stage_names == ["propose", "evaluate"] * 3 + ["answer"]
     for g in dr + tot:
         assert g.is_complete and all(n.exec_time() is not None for n in g.nodes)
+
+
+def test_the_apps_send_their_tasks_waiting_time_with_every_call():
+    """``waiting_time`` of ``run_research`` / ``run_tot`` is the admission bound of each of their LLM calls
+    (the demo stretches it with its SLOs); without it the calls leave the server's default."""
+    server = FakeServer()
+
+    async def main(waiting_time):
+        async with jitflow.AsyncClient("http://test:8123", transport=server.async_transport(), model="demo") as c:
+            await run_tot([4, 9, 10, 13], deadline=30, client=c, config=ToTConfig(k=2, b=1), fetch_view=False,
+                          waiting_time=waiting_time)
+            await run_research("Why?", deadline=30, client=c, config=ResearchConfig(search_latency=0.0),
+                               fetch_view=False, waiting_time=waiting_time)
+
+    anyio.run(main, 9.0)
+    n = len(server.calls)
+    assert n >= 4 and {c["slo"]["kind"] for c in server.calls} == {"compound"}
+    assert [c["slo"]["waiting_time"] for c in server.calls] == [9.0] * n
+    anyio.run(main, None)
+    assert len(server.calls) > n and all("waiting_time" not in c["slo"] for c in server.calls[n:])

@@ -223,6 +223,39 @@ async def test_tools_outside_tasks_and_error_propagation():
 
 
 @pytest.mark.anyio
+async def test_a_tasks_waiting_time_is_the_admission_bound_of_each_call_that_sets_none():
+    server = FakeServer()
+    client = make_client(server)
+    async with client.task("patient", deadline=60, waiting_time=12) as t:
+        assert t.waiting_time == 12.0
+        async with t.stage("s") as st:
+            await st.chat(MSG)  # the task's compound SLO, with the task's waiting time
+            await st.chat(MSG, waiting_time=3)  # the call's own wins
+            await st.chat(MSG, slo=jitflow.Deadline(4))  # an explicit SLO without one gets the task's
+            await st.chat(MSG, slo=jitflow.Deadline(4, waiting_time=2))  # an explicit SLO's own wins
+    async with client.task("default", deadline=60):
+        await client.chat.completions.create(messages=MSG)  # an implicit stage
+    slos = [c["slo"] for c in server.calls]
+    assert slos[0]["kind"] == "compound" and slos[0]["waiting_time"] == 12.0
+    assert [s.get("waiting_time") for s in slos] == [12.0, 3.0, 12.0, 2.0, None]  # None: the server's default
+
+    @jitflow.agent(app="patient-agent", deadline=60, client=client, waiting_time=7)
+    async def one() -> None:
+        await client.chat.completions.create(messages=MSG)
+
+    await one()
+    assert server.calls[-1]["slo"]["waiting_time"] == 7.0
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError, match="waiting_time"):
+            client.task("x", deadline=1, waiting_time=bad)
+        with pytest.raises(ValueError, match="waiting_time"):
+            jitflow.agent(app="x", deadline=1, waiting_time=bad)
+    with pytest.raises(TypeError, match="waiting_time"):
+        client.task("x", deadline=1, waiting_time="5")
+    await client.aclose()
+
+
+@pytest.mark.anyio
 async def test_deadline_raise_and_best_effort():
     server = FakeServer()
     client = make_client(server)

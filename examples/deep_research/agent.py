@@ -237,6 +237,7 @@ async def run_research(
     config: ResearchConfig | None = None,
     fetch_view: bool = True,
     on_cancel: Callable[[TaskReport], None] | None = None,
+    waiting_time: float | None = None,
 ) -> ResearchResult:
     """Run the deep-research agent as one compound task with end-to-end deadline ``deadline``.
 
@@ -249,6 +250,7 @@ async def run_research(
         fetch_view: read ``GET /v1/tasks/{id}`` afterwards for the server's sub-deadlines.
         on_cancel: called with the report of what ran when the caller cancels the task (its stages so
             far), before the cancellation propagates.
+        waiting_time: admission bound (s) of each LLM call of the task (default: the server's).
 
     Returns:
         :class:`ResearchResult`; ``result.report.outcome`` is ``succeeded``, ``deadline_missed``
@@ -265,5 +267,5 @@ async def run_research(
     run = _Run(question.strip(), cfg)
     _, report = await run_agent_task(run.run, app=APP, deadline=deadline, client=client, model=model,
                                      metadata={"example": "deep_research", "max_loops": cfg.max_loops},
-                                     fetch_view=fetch_view, on_cancel=on_cancel)
+                                     fetch_view=fetch_view, on_cancel=on_cancel, waiting_time=waiting_time)
     return ResearchResult(run.question, run.answer, run.rounds, run.sources, run.invalid_json, report)

@@ -225,6 +225,7 @@ async def run_tot(
     config: ToTConfig | None = None,
     fetch_view: bool = True,
     on_cancel: Callable[[TaskReport], None] | None = None,
+    waiting_time: float | None = None,
 ) -> ToTResult:
     """Run Tree-of-Thoughts on a Game-of-24 puzzle as one compound task with deadline ``deadline``.
 
@@ -237,6 +238,7 @@ async def run_tot(
         fetch_view: read ``GET /v1/tasks/{id}`` afterwards for the server's sub-deadlines.
         on_cancel: called with the report of what ran when the caller cancels the task (its stages so
             far), before the cancellation propagates.
+        waiting_time: admission bound (s) of each LLM call of the task (default: the server's).
 
     Returns:
         :class:`ToTResult` (``report.outcome``: ``succeeded`` | ``deadline_missed`` | ``failed``).
@@ -248,7 +250,7 @@ async def run_tot(
     search = _Search(list(numbers), cfg)
     best, report = await run_agent_task(search.run, app=APP, deadline=deadline, client=client, model=model,
                                         metadata={"example": "tree_of_thoughts", "k": cfg.k, "b": cfg.b},
-                                        fetch_view=fetch_view, on_cancel=on_cancel)
+                                        fetch_view=fetch_view, on_cancel=on_cancel, waiting_time=waiting_time)
     res = ToTResult(list(numbers), levels=search.levels, invalid_json=search.invalid_json,
                     answer=search.answer, solvable=solve(list(numbers)) is not None, report=report)
     if best is not None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from ._calls import ToolCall
 from ._context import current_task_var
-from ._task import OnDeadline, _check_deadline, _check_on_deadline
+from ._task import OnDeadline, _check_deadline, _check_on_deadline, _check_waiting_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._client import AsyncClient
@@ -72,6 +72,7 @@ def agent(
     model: str | None = None,
     on_deadline: OnDeadline = "raise",
     metadata: dict[str, Any] | None = None,
+    waiting_time: float | None = None,
 ) -> Callable[[F], F]:
     """Decorate an ``async def`` agent so that each call runs as one compound task.
 
@@ -82,15 +83,18 @@ def agent(
         model: default model for ``stage.chat``.
         on_deadline: ``"raise"`` or ``"best_effort"`` when a stage starts after the deadline.
         metadata: JSON-serialisable metadata sent with the task registration.
+        waiting_time: admission bound in seconds for each of the task's LLM calls that sets none
+            itself (default: the server's).
 
     If a task is already active (nested agents), the call joins it instead of opening a new one.
 
     Raises:
         TypeError: the decorated function is not ``async``; ``deadline`` not a number.
-        ValueError: invalid ``deadline`` / ``on_deadline``.
+        ValueError: invalid ``deadline`` / ``on_deadline`` / ``waiting_time``.
     """
     _check_deadline(deadline)
     _check_on_deadline(on_deadline)
+    _check_waiting_time(waiting_time)
 
     def decorate(fn: F) -> F:
         if not inspect.iscoroutinefunction(fn):
@@ -102,7 +106,8 @@ def agent(
             if current_task_var.get() is not None:
                 return await fn(*args, **kwargs)
             c = client or get_client()
-            async with c.task(name, deadline, model=model, on_deadline=on_deadline, metadata=metadata):
+            async with c.task(name, deadline, model=model, on_deadline=on_deadline, metadata=metadata,
+                              waiting_time=waiting_time):
                 return await fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]

@@ -89,7 +89,8 @@ class LLMCall:
         model: requested model id.
         slo: explicit SLO (instance or wire dict) or None for the default (compound inside a task,
             none outside).
-        waiting_time: admission bound in seconds merged into the SLO.
+        waiting_time: admission bound in seconds merged into the SLO (inside a task whose
+            ``waiting_time`` is set, the task's when neither this nor the SLO gives one).
         parents: explicit parent call ids (default: the previous stage's calls).
         tracer_provider: OpenTelemetry provider (None = global).
         server_attrs: ``server.address`` / ``server.port``.
@@ -150,6 +151,8 @@ class LLMCall:
                         slo = Compound(remaining) if remaining > 0 and math.isfinite(remaining) else Compound()
                     if self._waiting_time is not None:
                         slo = slo.with_waiting_time(self._waiting_time)
+                if task.waiting_time is not None and slo.waiting_time is None:  # the task's default
+                    slo = slo.with_waiting_time(task.waiting_time)
             except Exception:
                 if implicit:
                     task._close_stage(stage)

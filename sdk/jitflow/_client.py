@@ -252,6 +252,7 @@ class AsyncClient(_BaseClient):
         on_deadline: Literal["raise", "best_effort"] = "raise",
         metadata: dict[str, Any] | None = None,
         task_id: str | None = None,
+        waiting_time: float | None = None,
     ) -> TaskScope:
         """Open a compound task (async context manager yielding :class:`jitflow.Task`).
 
@@ -259,14 +260,17 @@ class AsyncClient(_BaseClient):
             app: application name. deadline: end-to-end deadline in seconds from now.
             model: default model for ``stage.chat``. on_deadline: ``"raise"`` or ``"best_effort"``.
             metadata: JSON metadata for the registration. task_id: explicit id (default uuid4).
+            waiting_time: admission bound in seconds for each of the task's LLM calls that sets
+                none itself (default: the server's, 5 s unless configured).
 
         Nested use inside an active task reuses that task.
 
         Raises:
-            ValueError / TypeError: invalid ``deadline`` / ``on_deadline``.
+            ValueError / TypeError: invalid ``deadline`` / ``on_deadline`` / ``waiting_time``.
         """
         return TaskScope(
-            self, app, deadline, model=model, on_deadline=on_deadline, metadata=metadata, task_id=task_id
+            self, app, deadline, model=model, on_deadline=on_deadline, metadata=metadata, task_id=task_id,
+            waiting_time=waiting_time,
         )
 
     async def get_task(self, task_id: str) -> dict[str, Any]:

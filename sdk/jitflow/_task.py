@@ -33,12 +33,16 @@ __all__ = ["Task", "Stage", "TaskScope", "StageScope", "stage"]
 OnDeadline = Literal["raise", "best_effort"]
 
 
-def _check_deadline(deadline: Any) -> float:
+def _check_deadline(deadline: Any, name: str = "deadline") -> float:
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
-        raise TypeError(f"deadline must be a number of seconds, not {type(deadline).__name__}")
+        raise TypeError(f"{name} must be a number of seconds, not {type(deadline).__name__}")
     if not math.isfinite(deadline) or deadline <= 0:
-        raise ValueError(f"deadline must be a positive finite number of seconds, got {deadline!r}")
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {deadline!r}")
     return float(deadline)
+
+
+def _check_waiting_time(waiting_time: Any) -> float | None:
+    return None if waiting_time is None else _check_deadline(waiting_time, "waiting_time")
 
 
 def _check_on_deadline(value: str) -> OnDeadline:
@@ -125,6 +129,8 @@ class Task:
         model: default model for ``stage.chat`` (None = client default / server's first model).
         on_deadline: ``"raise"`` (DeadlineExceededError when a stage starts after the deadline)
             or ``"best_effort"`` (continue, with ``slo=BestEffort()``).
+        waiting_time: admission bound (s) for each of the task's LLM calls that sets none itself
+            (JITServe §5: the server rejects a call not started within it); None = the server's default.
         stages: stages in start order.
         outcome: ``"succeeded" | "failed" | "deadline_missed"`` after exit, else None.
         error: ``"ExcType: message"`` if the task body raised.
@@ -141,9 +147,11 @@ class Task:
         on_deadline: OnDeadline = "raise",
         metadata: dict[str, Any] | None = None,
         task_id: str | None = None,
+        waiting_time: float | None = None,
     ) -> None:
         if not isinstance(app, str) or not app:
             raise ValueError("app must be a non-empty string")
+        self.waiting_time = _check_waiting_time(waiting_time)
         self.client = client
         self.app = app
         self.deadline = _check_deadline(deadline)
@@ -316,6 +324,7 @@ class TaskScope:
         self._kwargs = kwargs
         if "on_deadline" in kwargs:
             _check_on_deadline(kwargs["on_deadline"])
+        _check_waiting_time(kwargs.get("waiting_time"))
         self._task: Task | None = None
         self._reused = False
         self._tg: Any = None

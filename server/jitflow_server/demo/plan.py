@@ -29,10 +29,10 @@ class DemoConfig:
         research_deadline, tot_deadline: their task deadlines.
         ttft, tbt: latency SLO of chat requests.
         deadline: SLO of deadline requests (E2EL).
-        waiting_time: jitflow's admission control (JITServe §5) rejects a chat or deadline request its engine
-            has not started within this many seconds (the server's own default, 5 s, when the SLOs are as
-            set); stretched with the other SLOs on a slower machine so that it keeps its share of the
-            deadline. Stock vLLM has no admission control and ignores it.
+        waiting_time: jitflow's admission control (JITServe §5) rejects a request or agent-task call its
+            engine has not started within this many seconds (the server's own default, 5 s, when the SLOs
+            are as set); stretched with the other SLOs on a slower machine so that it keeps its share of
+            the deadline. Stock vLLM has no admission control and ignores it.
         chat_tokens, deadline_tokens: ``(min, max)`` ``max_tokens`` of chat / deadline requests.
         grace: after the last arrival, wait at most this long for in-flight work.
         seed: RNG seed of the plan (same seed = same load).

@@ -137,10 +137,10 @@ async def run_load(url: str, plan: Plan, cfg: DemoConfig, policy: str, console: 
                 with anyio.fail_after((job.deadline or 0) + GIVE_UP_AFTER_S):
                     if job.kind == "research":
                         r = await run_research(job.prompt, deadline=job.deadline, client=client, model=model,
-                                               on_cancel=keep)
+                                               on_cancel=keep, waiting_time=cfg.waiting_time)
                     else:
                         r = await run_tot(job.numbers, deadline=job.deadline, client=client, model=model,
-                                          on_cancel=keep)
+                                          on_cancel=keep, waiting_time=cfg.waiting_time)
                 done[job.idx] = r.report.to_dict()
             except TimeoutError:
                 done[job.idx] = _missed_task(job, ran, f"client gave up {GIVE_UP_AFTER_S:g} s after the deadline")
