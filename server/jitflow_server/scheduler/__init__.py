@@ -59,7 +59,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     (the paper's ``goodput/t_gen`` ranking, window, stall pricing and token-only objective, JITServe §4.2:
     ``jit=False, free_pause=True, stall_value="tokens", window="paper", overrun=0, request_weight=0,
     compound_value="task", future_margin=1, batch_sizing="full", bound_share=1, deadline_soft_share=0,
-    prefill_budget="fixed"``),
+    prefill_budget="fixed", kv_fit=False``),
     ``oracle`` (``gmax`` with ``true_len``), ``fcfs``, ``sarathi``, ``edf``, ``sjf``, ``las``, and the
     peer baselines ``vllm-priority`` (vLLM's priority scheduling with SLO-derived priorities),
     ``tempo`` (Tempo's service-density scheduling), ``qlm`` (QLM's request groups and virtual queue) and
@@ -88,6 +88,7 @@ def make_policy(name: str, **params: Any) -> Policy:
             params.setdefault("bound_share", 1.0)  # plans with the length upper bound (§4.1)
             params.setdefault("deadline_soft_share", 0.0)  # feasible by the bound or not at all
             params.setdefault("prefill_budget", "fixed")  # vLLM's chunked prefill as is
+            params.setdefault("kv_fit", False)  # the engine alone checks the KV cache, one chunk at a time
         if key == "oracle":
             params.setdefault("use_true_len", True)
         return GMAXPolicy(name=key, **params)

@@ -11,7 +11,9 @@ One frame, for N queued/running requests and batch size B:
    the window with the largest summed priority (Alg. 1 lines 16-26);
 4. cost-aware preemption: a running request displaced by a waiting one is preempted only when the
    projected gain exceeds ``stall_duration × token_generation_speed`` (§4.2 "Preemption to correct
-   scheduling errors"), else it keeps its slot.
+   scheduling errors"), else it keeps its slot;
+5. admission by the KV cache (ours, ``kv_fit``): a waiting request whose whole prompt the KV cache
+   cannot hold beside the running requests waits (:func:`~jitflow_server.scheduler.kv_fit.fit_kv`).
 
 Step 1 lives in :mod:`~jitflow_server.scheduler.gmax_estimates` (:func:`estimate`), the parameters in
 :mod:`~jitflow_server.scheduler.gmax_params` (:class:`GMAXParams`); this module holds the priority
@@ -32,6 +34,7 @@ import numpy as np
 from jitflow_server.scheduler.adapt import CutoffAdapter
 from jitflow_server.scheduler.gmax_estimates import Estimates, estimate_speeds, fill_nan
 from jitflow_server.scheduler.gmax_params import GMAXParams
+from jitflow_server.scheduler.kv_fit import fit_kv
 from jitflow_server.scheduler.snapshot import (
     LATENCY,
     Snapshot,
@@ -292,6 +295,8 @@ class GMAXPolicy:
         in_batch = np.zeros(n, bool)
         in_batch[win] = True
         preempt_idx, swapped = self._preemption(snap, ctx, prio, est, in_batch)
+        kv_left = (fit_kv(snap, est.len_rem, prio, in_batch, ctx.kv_capacity_tokens, self.params.delta_steps,
+                          preempt_idx) if self.params.kv_fit and ctx.kv_capacity_tokens else [])
         batch_idx = in_batch.nonzero()[0]
         batch_idx = batch_idx[(-prio[batch_idx]).argsort(kind="stable")]
         ids = snap.ids
@@ -306,6 +311,7 @@ class GMAXPolicy:
             swapped_back=swapped,
             frame_s=self.params.delta_steps * ctx.token_time,
             batch_size=b,
+            kv_left=len(kv_left),
         )
         if self.params.full_priorities:
             pr = dict(zip(ids, prio.tolist(), strict=True))

@@ -228,6 +228,14 @@ class GMAXParams:
       "The demo"). An option: on five of the demo's seeds 0.25 kept the normal phase's chat at or
       above stock vLLM's but met fewer agent tasks than stock in two bursts (docs/scheduling.md, "A cap
       on every step for the requests still to arrive").
+    - ``kv_fit`` [True]: the batch's waiting requests are admitted only while the KV cache holds the
+      whole prompt of each (plus Δ output tokens) beside what the running requests hold and still need
+      (:func:`~jitflow_server.scheduler.kv_fit.fit_kv`); False leaves it to the engine, which checks one
+      prefill chunk and preempts running requests when a long prompt's later chunks find no room. Acts
+      only where the KV cache, not the B slots, is what runs out (long prompts): on the Mooncake
+      conversation trace at 2.0× capacity it removed the preemptions for KV and served more tokens and
+      requests; on the default mixed workload and the Azure code trace it never acts (docs/scheduling.md,
+      "Admission by the KV cache").
     - ``use_true_len`` [False]: use ``RequestView.true_len`` (oracle).
     - ``full_priorities`` [False]: ``Decision.priorities`` for every request (costs ~1 ms per 10^4);
       by default only the batch, the running requests and the cutoff candidates.
@@ -265,6 +273,7 @@ class GMAXParams:
     overrun: float = 1.0
     evict_frames: float = 10.0
     block_pricing: bool = True
+    kv_fit: bool = True
     use_true_len: bool = False
     full_priorities: bool = False
     starvation_clock: str = "waiting"
