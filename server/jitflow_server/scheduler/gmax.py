@@ -34,7 +34,7 @@ import numpy as np
 from jitflow_server.scheduler.adapt import CutoffAdapter
 from jitflow_server.scheduler.gmax_estimates import Estimates, estimate_speeds, fill_nan
 from jitflow_server.scheduler.gmax_params import GMAXParams
-from jitflow_server.scheduler.kv_fit import fit_kv
+from jitflow_server.scheduler.kv_fit import fit_kv, kv_demand
 from jitflow_server.scheduler.snapshot import (
     LATENCY,
     Snapshot,
@@ -294,9 +294,12 @@ class GMAXPolicy:
         win, info = select_window(prio, snap.input_len, b, p, protect=self.params.window == "protected")
         in_batch = np.zeros(n, bool)
         in_batch[win] = True
-        preempt_idx, swapped = self._preemption(snap, ctx, prio, est, in_batch)
-        kv_left = (fit_kv(snap, est.len_rem, prio, in_batch, ctx.kv_capacity_tokens, self.params.delta_steps,
-                          preempt_idx) if self.params.kv_fit and ctx.kv_capacity_tokens else [])
+        # each request's KV by the end of the frame, for the preemption test and the KV cache's admission
+        demand = (kv_demand(snap, est.len_rem, self.params.delta_steps) if ctx.kv_capacity_tokens is not None
+                  else None)
+        preempt_idx, swapped = self._preemption(snap, ctx, prio, est, in_batch, demand)
+        kv_left = (fit_kv(snap, demand, prio, in_batch, ctx.kv_capacity_tokens, preempt_idx)
+                   if self.params.kv_fit and ctx.kv_capacity_tokens else [])
         batch_idx = in_batch.nonzero()[0]
         batch_idx = batch_idx[(-prio[batch_idx]).argsort(kind="stable")]
         ids = snap.ids
@@ -363,7 +366,8 @@ class GMAXPolicy:
         return ctxs[best_r], prios[best_r], ests.row(best_r)
 
     def _preemption(
-        self, snap: Snapshot, ctx: SchedContext, prio: np.ndarray, est: Estimates, in_batch: np.ndarray
+        self, snap: Snapshot, ctx: SchedContext, prio: np.ndarray, est: Estimates, in_batch: np.ndarray,
+        demand: np.ndarray | None,
     ) -> tuple[list[int], int]:
         """Cost-aware preemption (JITServe §4.2; App. E.2 eq. 9). Mutates ``in_batch``.
 
@@ -378,7 +382,9 @@ class GMAXPolicy:
         displaced request takes the admitted one's slot back. ``speed`` is the goodput the rest of the
         batch earns per second (``Σ goodput/t_gen`` over the batch without the admitted request;
         ``stall_value="goodput"``) or, as the paper words it, the batch's token generation speed
-        ``|batch|/v_token`` (``stall_value="tokens"``). Returns (indices to preempt, swaps undone).
+        ``|batch|/v_token`` (``stall_value="tokens"``). ``demand``: each request's KV by the end of the frame
+        (:func:`~jitflow_server.scheduler.kv_fit.kv_demand`; None when the KV cache's size is unknown).
+        Returns (indices to preempt, swaps undone).
         """
         prm = self.params
         displaced = (snap.running & ~in_batch).nonzero()[0]
@@ -398,7 +404,6 @@ class GMAXPolicy:
         fits = False
         evict_risk = 1.0  # share of a displaced request's KV to recompute when it comes back
         if ctx.kv_capacity_tokens is not None:
-            demand = snap.input_len + snap.generated + np.minimum(est.len_rem, prm.delta_steps)
             held = float(snap.kv_tokens[snap.running].sum())
             new = float(np.maximum(demand[in_batch] - snap.kv_tokens[in_batch], 0.0).sum())
             fits = held + new <= ctx.kv_capacity_tokens

@@ -26,28 +26,34 @@ import numpy as np
 from jitflow_server.scheduler.snapshot import Snapshot
 
 
-def fit_kv(snap: Snapshot, len_rem: np.ndarray, prio: np.ndarray, in_batch: np.ndarray, capacity_tokens: float,
-           lookahead: int, preempted: list[int] | None = None) -> list[int]:
+def kv_demand(snap: Snapshot, len_rem: np.ndarray, lookahead: int) -> np.ndarray:
+    """(N,) KV tokens each request of ``snap`` holds by the end of a frame if it runs: its prompt, what it
+    has generated and ``min(len_rem, lookahead)`` more tokens (``len_rem`` (N,) planned remaining tokens,
+    ``lookahead`` the frame's Δ decode steps). Shared by :func:`fit_kv` and GMAX's preemption test
+    (whether the displaced requests' KV can stay)."""
+    return snap.input_len + snap.generated + np.minimum(len_rem, lookahead)
+
+
+def fit_kv(snap: Snapshot, demand: np.ndarray, prio: np.ndarray, in_batch: np.ndarray, capacity_tokens: float,
+           preempted: list[int] | None = None) -> list[int]:
     """Take out of ``in_batch`` (mutated) the waiting requests whose whole KV demand does not fit.
 
     Args:
-        snap: the frame's snapshot (``input_len``, ``generated``, ``kv_tokens`` in tokens; ``running``).
-        len_rem: (N,) tokens each request still generates, as the frame plans it.
+        snap: the frame's snapshot (``kv_tokens`` in tokens; ``running``).
+        demand: (N,) KV tokens each request needs by the end of the frame (:func:`kv_demand`).
         prio: (N,) priorities; waiting requests are fitted in descending order.
         in_batch: (N,) bool, the frame's batch; waiting requests left out are set False.
         capacity_tokens: the engine's KV cache in tokens.
-        lookahead: output tokens of decode each request is given room for (the frame's Δ steps).
         preempted: indices the frame preempts (their KV is freed).
 
     Returns:
         The indices taken out of the batch, in descending priority.
 
-    A running request holds ``kv_tokens`` and will need ``input_len + generated + min(len_rem,
-    lookahead)`` (the rest of its prompt while it is prefilled, then its decode); paused running
-    requests keep what they hold. With nothing running, the first waiting request stays whatever its
-    demand (it could otherwise never start: an engine admits any prompt that fits its model length).
+    A running request holds ``kv_tokens`` and will need its ``demand`` (the rest of its prompt while it
+    is prefilled, then its decode); paused running requests keep what they hold. With nothing running,
+    the first waiting request stays whatever its demand (it could otherwise never start: an engine
+    admits any prompt that fits its model length).
     """
-    demand = snap.input_len + snap.generated + np.minimum(len_rem, float(lookahead))
     running = snap.running.copy()
     if preempted:
         running[preempted] = False
