@@ -131,6 +131,7 @@ def test_demo_runs_stock_vllm_and_gmax_on_the_same_arrivals(tmp_path, together):
     console.file.close()
     on_disk = json.loads((tmp_path / "demo-report.json").read_text())
     assert on_disk["version"] == report["version"] == 2
+    assert report["model"] == "tiny" and report["model_choice"]["requested"] == "tiny"
     if together:  # both at once, each engine's compute threads on cores of its own
         assert report["together"] is True and set(report["cores"]) == {"vllm", "gmax"}
         cores = [set(c.split(",")) for c in report["cores"].values()]

@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
     def serve(
         host: str = typer.Option("127.0.0.1", help="Address to bind."),
         port: int = typer.Option(8000, help="TCP port."),
-        model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
+        model: str = typer.Option("demo", help="'demo', 'demo-small', 'tiny' or a model directory."),
         served_name: Optional[str] = typer.Option(None, help="Model id clients use (default: --model's name)."),
         engine: str = typer.Option("vllm", help="Serving engine (only 'vllm' is embedded)."),
         policy: str = typer.Option("gmax", help="gmax | gmax-paper | fcfs | sarathi | edf | sjf | las (oracle needs true lengths: simulator only)."),
@@ -270,7 +270,7 @@ def register(app: typer.Typer) -> None:
     @app.command("vllm-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def vllm_serve(
         ctx: typer.Context,
-        model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
+        model: str = typer.Option("demo", help="'demo', 'demo-small', 'tiny' or a model directory."),
         host: str = typer.Option("127.0.0.1", help="Address to bind."),
         port: int = typer.Option(8000, help="TCP port."),
         policy: str = typer.Option("gmax", help="Scheduling policy of the plug-in."),

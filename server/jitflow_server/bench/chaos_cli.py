@@ -160,7 +160,7 @@ def register(bench_app: typer.Typer) -> None:
     def chaos_cmd(
         out: Path = typer.Option(Path("results/chaos"), "--out", help="Output folder (chaos.json, chaos.md, "
                                  "server logs)."),
-        model: str = typer.Option("demo", "--model", help="'demo', 'tiny' or a model directory."),
+        model: str = typer.Option("demo", "--model", help="'demo', 'demo-small', 'tiny' or a model directory."),
         policy: str = typer.Option("gmax", "--policy", help="The server's scheduling policy (jitflow serve --policy)."),
         batch_size: int = typer.Option(16, "--batch-size", min=1, help="B of the server."),
         fuzz: int = typer.Option(10_000, "--fuzz", min=0, help="Schema-driven fuzzed requests."),

@@ -34,7 +34,7 @@ class BenchServer(ServerProcess):
     """``jitflow serve`` for a benchmark: a :class:`~jitflow_server.bench.server_process.ServerProcess`
     plus the control calls the benchmarks make (policy switch, stats, step log, wait until idle).
 
-    Args: ``model`` (demo|tiny|dir), ``policy``, ``batch_size`` B, ``port`` (free one if None),
+    Args: ``model`` (demo|demo-small|tiny|dir), ``policy``, ``batch_size`` B, ``port`` (free one if None),
     ``extra`` more CLI args, ``startup_timeout`` s, ``log_path`` for the server's output, ``env`` extra
     environment. Raises :class:`EngineBenchError` if ``/health`` is not OK within ``startup_timeout``.
     """

@@ -30,7 +30,8 @@ def register(app: typer.Typer) -> None:
                                                  "units (1 = 0.4 chat/s, 0.2 deadline/s, 2.5 deep-research and "
                                                  "3 tree-of-thoughts tasks per minute)."),
         recalibrate: bool = typer.Option(False, help="Measure the capacity even if this machine is cached."),
-        model: str = typer.Option("demo", help="'demo', 'tiny' or a model directory."),
+        model: str = typer.Option("auto", help="'auto' (demo, or demo-small on a CPU too slow for it: "
+                                  "docs/demo-model.md), 'demo', 'demo-small', 'tiny' or a model directory."),
         out: Path = typer.Option(Path("demo-report.json"), help="Report JSON (.md and .png go next to it)."),
         patterns: Optional[list[Path]] = typer.Option(None, "--patterns", help="Pattern corpora (default: "
                                                       "patterns/*.jsonl)."),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import json
 import shutil
@@ -43,6 +44,7 @@ from jitflow_server.demo.calibrate import (
 from jitflow_server.demo.capacity import WARM_ENGINE_S, resolve_capacity, warm_engine
 from jitflow_server.demo.events import EventRecorder, events_path, write_events
 from jitflow_server.demo.length_model import LengthModelJob, start_length_model
+from jitflow_server.demo.model_choice import choose_model
 from jitflow_server.demo.options import DemoOptions, Phase, Side, side_cores
 from jitflow_server.demo.plan import (
     REPO_ROOT,
@@ -370,6 +372,12 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
 
     console = console or Console()
     opts.validate()
+    choice = choose_model(opts.model)
+    opts = dataclasses.replace(opts, model=choice.model)
+    console.print(f"model: {choice.model}" + (
+        "" if choice.demo_prompt_ms_per_token is None else
+        f" (this CPU computes the demo model's prompts at about {choice.demo_prompt_ms_per_token:.2f} ms per token "
+        f"in {choice.dtype}; above {choice.threshold_ms:.2f} the demo runs demo-small)"))
     if opts.events:  # each phase appends to it: a file left by an earlier run must not mix in
         events_path(opts.out).unlink(missing_ok=True)
     patterns = opts.patterns if opts.patterns is not None else sorted((REPO_ROOT / "patterns").glob("*.jsonl"))
@@ -400,6 +408,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         report["cores"] = dict(zip((s.label for s in sides), cores, strict=True)) if cores else None
         report["cpu_engine"] = r.cpu_engine
         report["speed_probe_tbt_s"] = r.speed
+        report["model_choice"] = dataclasses.asdict(choice)
         report["slo_factor"] = slo_factor(opts, r.cap)
         report["slo_reference_step_s"] = REFERENCE_STEP_S
         report["analyzer_time_model"] = r.time_model

