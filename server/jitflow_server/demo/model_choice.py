@@ -11,9 +11,10 @@ step, about what the ``demo`` model does on the faster machines, so the demo kee
 set. The text is noise either way (random weights); what the demo measures is scheduling.
 
 The choice is measured, not assumed from CPU flags alone: :func:`prompt_ms_per_token` times the
-``demo`` model's dense layers on 256 prompt tokens in the engine's dtype with PyTorch (about 1 s), and
-``auto`` picks ``demo-small`` when that exceeds :data:`SMALL_MODEL_MS_PER_TOKEN`. The estimate read 1.45 ms
-on the AVX2 EPYC, where vLLM's own prefill of the model took 1.6 ms per token. CPUs with native bf16 keep
+``demo`` model's dense layers on 256 prompt tokens in the engine's dtype with PyTorch (about 1 s; 5 s
+with the imports), and ``auto`` picks ``demo-small`` when that exceeds :data:`SMALL_MODEL_MS_PER_TOKEN`.
+The estimate read 1.45-3.09 ms on the AVX2 EPYC over five runs of a day whose speed varied, where vLLM's
+own prefill of the model took 1.6 ms per token. CPUs with native bf16 keep
 ``demo`` without measuring: every machine of that kind measured so far computed prompts at 0.5-0.7 ms per
 token, and PyTorch's bf16 path outside vLLM was not measured there.
 """
@@ -53,8 +54,8 @@ def prompt_ms_per_token(variant: str = "demo", dtype: str = "float32", tokens: i
     """Milliseconds per prompt token of ``variant``'s dense layers (attention projections and MLP, every
     layer) on ``tokens`` tokens in ``dtype``, timed with PyTorch on random weights, best of ``reps``.
 
-    Leaves out attention over the context, the embedding and the engine's own overheads, so it reads a
-    little below the engine's prefill (1.45 against 1.6 ms per token for ``demo`` on an AVX2 EPYC).
+    Leaves out attention over the context, the embedding and the engine's own overheads (1.45 against
+    vLLM's 1.6 ms per token of prefill for ``demo`` on an AVX2 EPYC, measured minutes apart).
     Raises ``KeyError`` for an unknown variant.
     """
     import torch
