@@ -22,3 +22,15 @@ def test_a_bad_policy_parameter_is_a_usage_error_naming_param(command, param, me
     text = cli_text(r.output)
     assert r.exit_code == 2, text
     assert "--param" in text and message in text
+
+
+def test_parameter_values_parse_as_json_or_infinity_else_stay_strings():
+    from jitflow_server.bench.tune_cli import parse_grid
+    from jitflow_server.serve import check_policy_params, parse_params
+
+    got = parse_params(["admit_horizon=inf", "a=-INF", "b=Infinity", "c=3", "d=true", "e=goodput", "f=[1, 2]"])
+    assert got == {"admit_horizon": float("inf"), "a": float("-inf"), "b": float("inf"), "c": 3, "d": True,
+                   "e": "goodput", "f": [1, 2]}
+    check_policy_params("gmax", {"admit_horizon": got["admit_horizon"]})  # reaches GMAX as a number
+    assert parse_grid(["admit_horizon=2,inf", "window=paper, protected"]) == {
+        "admit_horizon": [2, float("inf")], "window": ["paper", "protected"]}

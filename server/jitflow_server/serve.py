@@ -17,8 +17,19 @@ import typer
 from jitflow_server.engine.demo_model import VARIANTS
 
 
+def parse_value(text: str) -> object:
+    """One ``--param`` / ``--grid`` value: ``inf``, ``+inf`` or ``-inf`` (any case) as a float, else JSON
+    (numbers, booleans, ``null``, ``Infinity``, lists, objects), else ``text`` as a plain string."""
+    if text.strip().lower() in ("inf", "+inf", "-inf"):
+        return float(text)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def parse_params(params: list[str]) -> dict:
-    """``--param NAME=VALUE`` options as a dict (JSON values; plain strings otherwise).
+    """``--param NAME=VALUE`` options as a dict (values by :func:`parse_value`).
 
     Raises ``typer.BadParameter`` for an item without ``=``.
     """
@@ -27,10 +38,7 @@ def parse_params(params: list[str]) -> dict:
         if "=" not in p:
             raise typer.BadParameter(f"policy parameter {p!r} must look like NAME=VALUE", param_hint="--param")
         k, v = p.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except ValueError:
-            out[k.strip()] = v
+        out[k.strip()] = parse_value(v)
     return out
 
 

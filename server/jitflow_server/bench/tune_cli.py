@@ -39,7 +39,7 @@ OTHERS = "fcfs,sjf,las,edf"
 
 
 def parse_grid(items: list[str]) -> dict[str, list]:
-    """``NAME=V1,V2`` items as ``{name: [values]}`` (JSON values, else strings).
+    """``NAME=V1,V2`` items as ``{name: [values]}`` (values by :func:`~jitflow_server.serve.parse_value`).
 
     Raises ``typer.BadParameter`` naming the item when one has no ``=`` or no value."""
     grid: dict[str, list] = {}
@@ -47,12 +47,9 @@ def parse_grid(items: list[str]) -> dict[str, list]:
         if "=" not in item:
             raise typer.BadParameter(f"{item!r} must look like NAME=V1,V2", param_hint="--grid")
         name, vals = item.split("=", 1)
-        parsed = []
-        for v in (x.strip() for x in vals.split(",") if x.strip()):
-            try:
-                parsed.append(json.loads(v))
-            except ValueError:
-                parsed.append(v)
+        from jitflow_server.serve import parse_value
+
+        parsed = [parse_value(x.strip()) for x in vals.split(",") if x.strip()]
         if not parsed:
             raise typer.BadParameter(f"{item!r} has no value", param_hint="--grid")
         grid[name.strip()] = parsed
