@@ -15,6 +15,7 @@ from typing import Optional
 import typer
 
 from jitflow_server.engine.demo_model import VARIANTS
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
 
 
 def parse_value(text: str) -> object:
@@ -127,7 +128,7 @@ def register(app: typer.Typer) -> None:
                                        "to the API; honours VLLM_CPU_OMP_THREADS_BIND) | single (the worker "
                                        "inside the engine-core process, computing on every core, unbound: "
                                        "faster on few cores, see docs/demo-model.md). Ignored on a GPU."),
-        waiting_time: float = typer.Option(5.0, help="Default admission waiting_time (s) for SLO requests."),
+        waiting_time: float = typer.Option(DEFAULT_WAITING_TIME_S, help="Default admission waiting_time (s) for SLO requests."),
         history_db: Optional[Path] = typer.Option(None, help="Pattern-graph history DB (default: "
                                                   "$JITFLOW_HISTORY_DB or ~/.cache/jitflow/history.sqlite)."),
         patterns: Optional[list[Path]] = typer.Option(None, "--patterns", help="JSONL pattern corpora to load "

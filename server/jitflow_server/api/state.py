@@ -16,7 +16,7 @@ from jitflow_server.analyzer.budget import DEFAULT_ANALYZER_BUDGET
 from jitflow_server.api.auth import APIKey
 from jitflow_server.api.limits import DEFAULT_MAX_BODY_BYTES
 from jitflow_server.engine.protocol import Engine
-from jitflow_server.scheduler.admission import Commitment, ServiceRate
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S, Commitment, ServiceRate
 from jitflow_server.scheduler.hints import HintUpdate
 from jitflow_server.scheduler.types import Kind
 from jitflow_server.tracker.metrics import ServerMetrics
@@ -47,7 +47,7 @@ class ServerSettings:
     longest a compound call waits for its pattern match (s, ``analyzer/budget.py``).
     """
 
-    default_waiting_time: float = 5.0
+    default_waiting_time: float = DEFAULT_WAITING_TIME_S
     default_max_tokens: int = 256
     best_effort_waiting_time: float | None = None
     length_predictor: bool = True

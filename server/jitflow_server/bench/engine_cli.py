@@ -13,6 +13,8 @@ from typing import Optional
 
 import typer
 
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
+
 ENGINE_POLICIES = "gmax,fcfs,edf,sjf,las"
 
 
@@ -234,7 +236,7 @@ def register(bench_app: typer.Typer) -> None:
         length_scale: float = typer.Option(0.0625, "--length-scale", min=0.001, help="Scale of trace lengths."),
         tightness: float = typer.Option(2.0, "--tightness", min=0.01, help="SLO scale factor (1 = the paper's "
                                         "SLOs; default 2: the CPU demo engine is several times slower than a GPU)."),
-        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
+        waiting_time: float = typer.Option(DEFAULT_WAITING_TIME_S, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
         baseline_delta: int = typer.Option(50, "--baseline-delta", min=1, help="Frame length Δ of edf/sjf/las."),
         data: Optional[Path] = typer.Option(None, "--data", help="Trace directory (default ../shared/data)."),
         seed: int = typer.Option(0, "--seed"),

@@ -19,6 +19,7 @@ from jitflow_server.bench.engine_cli import (
     workload_setup,
     write_steps,
 )
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
 
 
 def register(bench_app: typer.Typer) -> None:
@@ -35,7 +36,7 @@ def register(bench_app: typer.Typer) -> None:
         batch_size: int = typer.Option(32, "--batch-size", min=1),
         length_scale: float = typer.Option(0.0625, "--length-scale", min=0.001),
         tightness: float = typer.Option(2.0, "--tightness", min=0.01, help="SLO scale factor (1 = paper SLOs)."),
-        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0),
+        waiting_time: float = typer.Option(DEFAULT_WAITING_TIME_S, "--waiting-time", min=0.0),
         baseline_delta: int = typer.Option(50, "--baseline-delta", min=1),
         data: Optional[Path] = typer.Option(None, "--data"),
         seed: int = typer.Option(0, "--seed"),

@@ -24,6 +24,7 @@ import numpy as np
 
 from jitflow_server.bench.server_process import ServerProcess, ServerStartError, free_port, jitflow_command
 from jitflow_server.engine.jobs import Job
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
 
 
 class EngineBenchError(RuntimeError):
@@ -117,7 +118,7 @@ def task_key(run_id: str, job_id: str) -> str:
     return f"{run_id}.{job_id}"
 
 
-def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], waiting_time: float | None = 5.0, seed: int = 0,
+def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], waiting_time: float | None = DEFAULT_WAITING_TIME_S, seed: int = 0,
                   progress=None) -> dict:
     """Replay ``jobs`` (arrival s from now) against the server; returns ``{"jobs": [records], "makespan",
     "t_start", "errors"}`` with records shaped like the simulator's (see :mod:`jitflow_server.bench.metrics`).

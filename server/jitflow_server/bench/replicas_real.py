@@ -22,6 +22,8 @@ from typing import Optional
 
 import typer
 
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
+
 
 def _replica(model: str, core: str, batch_size: int, log: Path):
     from jitflow_server.bench.server_process import ServerProcess, free_port, jitflow_command
@@ -112,7 +114,7 @@ def register(bench_app: typer.Typer) -> None:
         router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
         length_scale: float = typer.Option(0.0625, "--length-scale", min=0.001),
         tightness: float = typer.Option(2.0, "--tightness", min=0.01, help="SLO scale (as `bench engine`)."),
-        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s."),
+        waiting_time: float = typer.Option(DEFAULT_WAITING_TIME_S, "--waiting-time", min=0.0, help="Admission waiting_time s."),
         preset: str = typer.Option("cpu-demo", "--preset", help="Step model of the analyzer's time model."),
         data: Optional[Path] = typer.Option(None, "--data", help="Trace directory (default ../shared/data)."),
         warmup: float = typer.Option(10.0, "--warmup", min=0.0, help="Seconds of unrecorded load per front end."),

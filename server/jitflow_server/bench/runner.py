@@ -47,6 +47,7 @@ from jitflow_server.engine.jobs import GIVE_UP_AFTER_S, Job
 from jitflow_server.engine.sim import SimConfig, SimEngine
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import POLICY_NAMES, make_policy
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
 
 EXTRA_VARIANTS = ("gmax-noanalyzer", "sjf-analyzer", "gmax-age", "gmax-served", "gmax-noadmit", "fcfs-noadmit")
 VARIANTS = (*POLICY_NAMES, *EXTRA_VARIANTS)
@@ -61,7 +62,7 @@ class RunSettings:
     sigma: float = 0.5
     quantile: float = 0.9
     batch_size: int | None = None
-    waiting_time: float | None = 5.0
+    waiting_time: float | None = DEFAULT_WAITING_TIME_S
     admission: str = "shared"
     baseline_delta: int = 50
     age_boost: bool = False

@@ -19,6 +19,7 @@ from jitflow_server.bench.sim_report import (
     write_sim_report,
 )
 from jitflow_server.engine.jobs import GIVE_UP_AFTER_S
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
 
 #: Requests (jobs) per load of an evaluation workload; ``bench tune`` tunes on workloads of the same length.
 DEFAULT_REQUESTS = 3000
@@ -254,7 +255,7 @@ def register(bench_app: typer.Typer) -> None:
                                          "given, else noisy (a q = 0.9 noise model of the true length)."),
         analyzer: str = typer.Option("pattern", "--analyzer", help="pattern | none (average-based fallback)."),
         batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="B (default: the preset's)."),
-        waiting_time: float = typer.Option(5.0, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
+        waiting_time: float = typer.Option(DEFAULT_WAITING_TIME_S, "--waiting-time", min=0.0, help="Admission waiting_time s (0 = off)."),
         give_up: float = typer.Option(GIVE_UP_AFTER_S, "--give-up", min=0.0,
                                       help="Seconds past its deadline that the client of a deadline request or "
                                       "compound task gives up and the call is aborted, for every policy (0 = never)."),

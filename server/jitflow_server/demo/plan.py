@@ -9,6 +9,8 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 KINDS = ("chat", "deadline", "compound")
 
@@ -48,7 +50,7 @@ class DemoConfig:
     ttft: float = 2.0
     tbt: float = 0.1
     deadline: float = 20.0
-    waiting_time: float = 5.0
+    waiting_time: float = DEFAULT_WAITING_TIME_S
     chat_tokens: tuple[int, int] = (32, 128)
     deadline_tokens: tuple[int, int] = (64, 192)
     grace: float = 30.0

@@ -55,6 +55,7 @@ import numpy as np
 from jitflow_server.engine.jobs import GIVE_UP_AFTER_S, Job
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import Kind, Policy, RequestView
+from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
 from jitflow_server.scheduler.lifecycle import Lifecycle
 from jitflow_server.scheduler.prefill_budget import Timeline
 from jitflow_server.scheduler.types import SLOSpec
@@ -166,7 +167,7 @@ class SimConfig:
     waiting and the call (the whole task) is aborted (``None``: clients wait forever)."""
 
     batch_size: int | None = None
-    waiting_time: float | None = 5.0
+    waiting_time: float | None = DEFAULT_WAITING_TIME_S
     chunk: int | None = None
     max_drain_s: float = 1800.0
     seed: int = 0

@@ -55,6 +55,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+#: JITServe §5's admission control: a request with an SLO that its engine has not started within this many
+#: seconds is rejected. The default of the server (``ServerSettings.default_waiting_time``), of the
+#: simulator and benchmarks (the same admission for every policy) and of the demo's SLOs as set.
+DEFAULT_WAITING_TIME_S = 5.0
+
 
 @dataclass(frozen=True)
 class ServiceRate:
