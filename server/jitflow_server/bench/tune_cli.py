@@ -42,13 +42,13 @@ def parse_grid(items: list[str]) -> dict[str, list]:
     """``NAME=V1,V2`` items as ``{name: [values]}`` (values by :func:`~jitflow_server.serve.parse_value`).
 
     Raises ``typer.BadParameter`` naming the item when one has no ``=`` or no value."""
+    from jitflow_server.serve import parse_value
+
     grid: dict[str, list] = {}
     for item in items:
         if "=" not in item:
             raise typer.BadParameter(f"{item!r} must look like NAME=V1,V2", param_hint="--grid")
         name, vals = item.split("=", 1)
-        from jitflow_server.serve import parse_value
-
         parsed = [parse_value(x.strip()) for x in vals.split(",") if x.strip()]
         if not parsed:
             raise typer.BadParameter(f"{item!r} has no value", param_hint="--grid")
