@@ -262,3 +262,17 @@ def test_capacity_warning_when_the_cached_capacity_was_measured_at_another_speed
     assert capacity_warning(cap(False, 0.0303), faster) is None  # measured in this run
     assert capacity_warning(cap(True, None), faster) is None  # no probe with the measurement (--capacity)
     assert capacity_warning(cap(True, 0.0303), {"vllm": {"before": None, "after": None}}) is None
+
+
+def test_events_are_written_into_a_report_folder_that_does_not_exist_yet(tmp_path):
+    """``jitflow demo --events --out DIR/report.json``: the first phase's events are written before the
+    report makes ``DIR``; the writer makes it (it raised FileNotFoundError after the first phase)."""
+    from jitflow_server.demo.events import EventRecorder, ServerEvent, events_path, write_events
+
+    rec = EventRecorder("http://127.0.0.1:9", "gmax", "normal")
+    rec.events.append(ServerEvent("gmax", "normal", "server", 1.0, "arrive", "r1", "chat"))
+    path = events_path(tmp_path / "new" / "deeper" / "demo-report.json")
+    assert write_events([rec], path) == 1
+    assert write_events([rec], path) == 1  # appended, not replaced
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["request_id"] for x in lines] == ["r1", "r1"] and lines[0]["event"] == "arrive"

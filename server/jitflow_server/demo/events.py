@@ -89,8 +89,10 @@ def events_path(report: Path) -> Path:
 
 def write_events(recorders: list[EventRecorder], path: Path) -> int:
     """Append every recorder's events to the JSON-lines file ``path`` (one :class:`ServerEvent` per line);
-    returns the number written."""
+    returns the number written. The folder is made if missing: the first phase's events are written before
+    the report, which would otherwise make it."""
     n = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh:
         for rec in recorders:
             for ev in rec.events:
