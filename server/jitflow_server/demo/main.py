@@ -6,7 +6,7 @@
    and the identical plans (same arrivals, prompts, tasks). By default the two run **in turn**, each on
    the whole machine: the servers start one after the other and stay up, the phases run interleaved and
    the sides' order is reversed from one phase to the next (normal: baseline, jitflow; burst: jitflow,
-   baseline). With ``--together`` they run at once, each engine's compute threads bound to its own half
+   baseline); while one side runs, the other's server is paused (SIGSTOP, ``servers.alone``). With ``--together`` they run at once, each engine's compute threads bound to its own half
    of the cores (:func:`side_cores`), so a change in the machine's speed hits both alike, at the cost
    described in :class:`DemoOptions`.
 3. The engine's capacity on the demo's mix is measured on the baseline's engine (at once: while the
@@ -57,6 +57,7 @@ from jitflow_server.demo.report import build_report, print_comparison, print_sum
 from jitflow_server.demo.results import RunResult
 from jitflow_server.demo.runner import _import_examples, run_load
 from jitflow_server.demo.servers import (
+    alone,
     engine_state,
     generated_output_tokens,
     start_server,
@@ -313,16 +314,17 @@ def _in_turn(r: _Run) -> dict[str, dict[str, float]]:
         for side in (r.sides if i % 2 == 0 else r.sides[::-1]):
             clock = clocks[side.label]
             clock.restart()
-            if side.label not in r.speed:
-                r.before_first_phase(side)
-                clock.lap("warm_engine_s")
-                r.probe(side, "before")
-                clock.lap("probes_s")
-            r.run_phase(ph, [side])
-            clock.lap("phases_s")
-            if i == len(r.phases) - 1:
-                r.probe(side, "after")
-                clock.lap("probes_s")
+            with alone(r.servers, side.label):  # the other server's idle loops paused
+                if side.label not in r.speed:
+                    r.before_first_phase(side)
+                    clock.lap("warm_engine_s")
+                    r.probe(side, "before")
+                    clock.lap("probes_s")
+                r.run_phase(ph, [side])
+                clock.lap("phases_s")
+                if i == len(r.phases) - 1:
+                    r.probe(side, "after")
+                    clock.lap("probes_s")
     return {label: c.laps for label, c in clocks.items()}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,21 @@ def start_server(label: str, serve_args: Sequence[str], *, model: str, batch_siz
                         startup_timeout=startup_timeout)
     srv.start()
     return srv
+
+
+@contextlib.contextmanager
+def alone(servers: dict[str, ServerProcess], label: str) -> Iterator[None]:
+    """Pause every server but ``label``'s (SIGSTOP, :meth:`ServerProcess.pause`) for the block, and continue
+    them after it, also on an error. When the sides run in turn, a side's phases then run with no other
+    server's idle loops beside them, as the capacity was measured."""
+    others = [srv for name, srv in servers.items() if name != label]
+    for srv in others:
+        srv.pause()
+    try:
+        yield
+    finally:
+        for srv in others:
+            srv.resume()
 
 
 def wait_healthy(srv: ServerProcess, what: str, timeout: float, console: Any) -> float:
