@@ -143,7 +143,10 @@ class ServerProcess:
     def pause(self) -> None:
         """Stop the whole process group (SIGSTOP) until :meth:`resume`: an idle server still runs its
         engine and API loops (6-8 % of one core on a 2-core machine), which slowed a server measured
-        beside it. A no-op when the process has exited. Requests sent to a paused server wait."""
+        beside it. A no-op when the process has exited. Requests sent to a paused server wait. If this process
+        dies while the server is paused, the kernel continues the orphaned group (SIGHUP, SIGCONT: POSIX
+        orphaned process groups; the server is in this process's session) and the server stops itself
+        (``engine/reaper.py: exit_with_parent``; ``tests/test_server_pause.py`` holds it)."""
         p = self.proc
         if p is not None and p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
