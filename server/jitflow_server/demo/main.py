@@ -6,9 +6,10 @@
    and the identical plans (same arrivals, prompts, tasks). By default the two run **in turn**, each on
    the whole machine: the servers start one after the other and stay up, the phases run interleaved and
    the sides' order is reversed from one phase to the next (normal: baseline, jitflow; burst: jitflow,
-   baseline); while one side runs, the other's server is paused (SIGSTOP, ``servers.alone``). With ``--together`` they run at once, each engine's compute threads bound to its own half
-   of the cores (:func:`side_cores`), so a change in the machine's speed hits both alike, at the cost
-   described in :class:`DemoOptions`.
+   baseline); while one side runs, the other's server is paused (SIGSTOP, ``servers.alone``). With
+   ``--together`` they run at once, each engine's compute threads bound to its own half of the cores
+   (:func:`side_cores`), so a change in the machine's speed hits both alike, at the cost described in
+   :class:`DemoOptions`.
 3. The engine's capacity on the demo's mix is measured on the baseline's engine (at once: while the
    other engine runs the same load) or read from the per-machine cache, and sizes a *normal* phase (0.7×
    capacity) and a *burst* phase (1.5×). The SLOs stretch with the measured step time of a slower
