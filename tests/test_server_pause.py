@@ -1,9 +1,9 @@
 """Pausing a server's whole process group (``ServerProcess.pause``/``resume``) and the demo's ``alone``:
 a real ``jitflow serve`` stops answering while paused and answers again once resumed; one whose starter is
 killed while it is paused still exits (the kernel sends SIGHUP and SIGCONT to a process group with a
-stopped member once it is orphaned, POSIX; the server's ``exit_with_parent`` then stops it); a paused server still stops on
-SIGTERM; ``alone`` pauses every other server for its block and continues them even when the block
-raises."""
+stopped member once it is orphaned, POSIX; the server's ``exit_with_parent`` then stops it); a paused
+server still stops on SIGTERM; ``alone`` pauses every other server for its block and continues them even
+when the block raises."""
 
 from __future__ import annotations
 

@@ -140,24 +140,27 @@ class ServerProcess:
         self.port = free_port()
         self.cmd[i] = str(self.port)
 
+    def _signal_group(self, sig: int) -> bool:
+        """Send ``sig`` to the process group while its leader runs; returns whether it ran."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, sig)
+        return True
+
     def pause(self) -> None:
         """Stop the whole process group (SIGSTOP) until :meth:`resume`: an idle server still runs its
         engine and API loops (6-8 % of one core on a 2-core machine), which slowed a server measured
-        beside it. A no-op when the process has exited. Requests sent to a paused server wait. If this process
-        dies while the server is paused, the kernel continues the orphaned group (SIGHUP, SIGCONT: POSIX
-        orphaned process groups; the server is in this process's session) and the server stops itself
-        (``engine/reaper.py: exit_with_parent``; ``tests/test_server_pause.py`` holds it)."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGSTOP)
+        beside it. A no-op when the process has exited. Requests sent to a paused server wait. If this
+        process dies while the server is paused, the kernel continues the orphaned group (SIGHUP, SIGCONT:
+        POSIX orphaned process groups; the server is in this process's session) and the server stops
+        itself (``engine/reaper.py: exit_with_parent``; ``tests/test_server_pause.py`` holds it)."""
+        self._signal_group(signal.SIGSTOP)
 
     def resume(self) -> None:
         """Continue a group stopped by :meth:`pause` (SIGCONT; harmless on a running one)."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGCONT)
+        self._signal_group(signal.SIGCONT)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group (continued first if :meth:`pause` stopped it), SIGKILL it after
@@ -166,9 +169,7 @@ class ServerProcess:
         if p is None:
             return
         self.resume()
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
+        if self._signal_group(signal.SIGTERM):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=timeout)
         # the whole group (engine workers), even if the leader already exited
