@@ -56,9 +56,8 @@ class StepTimeTracker:
         # refitting from Python objects rebuilt a 512-row array at every frame (3 s of a 40 s simulation)
         self._ring = np.zeros((window, 5))
         self._next = 0
-        # steps in the window per decoding batch size, and the last STRATUM_STEPS steps of each size that
-        # left it: one block of rows per size in the order first seen (zero rows fit nothing)
-        self._in_window = np.zeros(65, dtype=np.int64)
+        # the last STRATUM_STEPS steps of each decoding batch size that left the window: one block of rows
+        # per size in the order first seen (zero rows fit nothing)
         self._strata = np.zeros((0, 5))
         self._stratum_sizes = np.zeros(0, dtype=np.int64)
         self._stratum_slot: dict[int, int] = {}
@@ -78,10 +77,6 @@ class StepTimeTracker:
             i = self._next % len(self._ring)
             if self._next >= len(self._ring):
                 self._set_aside(self._ring[i].copy())
-            n = max(int(n_decode), 0)
-            if n >= len(self._in_window):
-                self._in_window = np.concatenate((self._in_window, np.zeros(n + 1 - len(self._in_window), np.int64)))
-            self._in_window[n] += 1
             self._ring[i] = (1.0, n_decode, prefill_tokens, duration, np.nan if period is None else period)
             self._next += 1
             self._dirty = self._model_dirty = True
@@ -96,7 +91,6 @@ class StepTimeTracker:
     def _set_aside(self, row: np.ndarray) -> None:
         """A step leaving the window: it becomes one of its batch size's kept steps."""
         n = int(row[1])
-        self._in_window[n] -= 1
         slot = self._stratum_slot.get(n)
         if slot is None:
             slot = self._stratum_slot[n] = len(self._stratum_fill)
@@ -106,11 +100,9 @@ class StepTimeTracker:
         self._strata[slot * STRATUM_STEPS + self._stratum_fill[slot] % STRATUM_STEPS] = row
         self._stratum_fill[slot] += 1
 
-    def _absent_strata(self) -> np.ndarray:
-        """The kept steps of the batch sizes the window holds no step of (rows as in the ring)."""
-        if not len(self._stratum_sizes):
-            return self._strata
-        absent = self._in_window[self._stratum_sizes] == 0
+    def _absent_strata(self, window: np.ndarray) -> np.ndarray:
+        """The kept steps of the batch sizes ``window`` (the ring's rows) holds no step of."""
+        absent = ~np.isin(self._stratum_sizes, window[:, 1])
         return self._strata[np.repeat(absent, STRATUM_STEPS)]
 
     @property
@@ -140,7 +132,7 @@ class StepTimeTracker:
         cut = self._next % size
         rows = self._ring if self._next <= size else np.concatenate((self._ring[cut:], self._ring[:cut]))
         rows = rows[: self.n_samples]  # oldest first
-        fit = np.concatenate((rows, self._absent_strata())) if len(self._strata) else rows
+        fit = np.concatenate((rows, self._absent_strata(rows))) if len(self._strata) else rows
         # non-negative least squares: fitting freely and clipping a negative coefficient afterwards left
         # the others fitted to it (module docstring); nnls is also faster than lstsq here (9 against 18 µs for 700 steps)
         coef, _ = nnls(fit[:, :3], fit[:, 3])
