@@ -11,7 +11,11 @@ Two things keep the fit physical when the window holds one batch size only (an e
 batch by a burst). The coefficients are fitted non-negative (``scipy.optimize.nnls``), not fitted freely
 and clipped afterwards; and the last :data:`STRATUM_STEPS` steps of every batch size that has left the
 window are kept aside and join the fit while the window holds no step of that size, so that the slope
-``b`` stays identified. Measured on the demo model's GMAX server (AVX-512 EPYC, the demo's normal phase,
+``b`` stays identified. They join only a window too narrow to fix the slope itself (its decoding batch
+sizes span less than :data:`NARROW_SPAN` of the largest): they come from another time, another context
+per request and another load on the host, and where they joined every window they tilted the slope
+(in the simulator on the Mooncake conversation trace, GMAX met 16 % fewer requests than with the former
+fit; see docs/scheduling.md). Measured on the demo model's GMAX server (AVX-512 EPYC, the demo's normal phase,
 then its burst), replaying its 3 105 logged steps through both fits: the unconstrained, clipped fit over
 the window alone put a full batch of 32 at 168-177 ms and a lone request at 47-56 ms during the burst
 (measured: about 32 ms and 9-10 ms); in that machine's first demo, admission refused three deadline
@@ -37,6 +41,9 @@ STEP_FIELDS = ("t", "period_s", "forward_s", "n_decode", "prefill_tokens", "ctx_
 
 #: Steps of one batch size kept aside after they leave the window (module docstring).
 STRATUM_STEPS = 8
+
+#: The kept steps join the fit only while the window's batch sizes span less than this share of its largest.
+NARROW_SPAN = 0.25
 
 
 class StepTimeTracker:
@@ -132,7 +139,11 @@ class StepTimeTracker:
         cut = self._next % size
         rows = self._ring if self._next <= size else np.concatenate((self._ring[cut:], self._ring[:cut]))
         rows = rows[: self.n_samples]  # oldest first
-        fit = np.concatenate((rows, self._absent_strata(rows))) if len(self._strata) else rows
+        sizes = rows[rows[:, 1] > 0, 1]  # decoding steps' batch sizes
+        narrow = not sizes.size or sizes.max() - sizes.min() < NARROW_SPAN * sizes.max()
+        # the kept steps come from another time (another context per request, another load on the host): they
+        # join only a window too narrow to fix the slope itself
+        fit = np.concatenate((rows, self._absent_strata(rows))) if narrow and len(self._strata) else rows
         # non-negative least squares: fitting freely and clipping a negative coefficient afterwards left
         # the others fitted to it (module docstring); nnls is also faster than lstsq here (9 against 18 µs for 700 steps)
         coef, _ = nnls(fit[:, :3], fit[:, 3])
