@@ -85,7 +85,9 @@ def test_promises_must_fit_on_b_slots_in_deadline_order():
                                  {**RATE.to_dict(), "per_decode_s": -1.0}, {**RATE.to_dict(), "batch_size": 0},
                                  {**RATE.to_dict(), "wall_factor": 0.5},
                                  {**RATE.to_dict(), "base_s": "fast"}, {**RATE.to_dict(), "decode_batch": 0},
-                                 {**RATE.to_dict(), "decode_batch": True}, {**RATE.to_dict(), "decode_batch": 2.5}])
+                                 {**RATE.to_dict(), "decode_batch": True}, {**RATE.to_dict(), "decode_batch": 2.5},
+                                 {**RATE.to_dict(), "lone_step_s": 0.0}, {**RATE.to_dict(), "lone_step_s": float("nan")},
+                                 {**RATE.to_dict(), "lone_step_s": "fast"}, {**RATE.to_dict(), "lone_step_s": True}])
 def test_a_malformed_rate_is_ignored(bad):
     assert ServiceRate.from_dict(bad) is None
     assert ServiceRate.from_dict(RATE.to_dict()) == RATE
@@ -133,6 +135,33 @@ def test_the_wall_factor_scales_the_fit_to_the_time_between_steps():
     assert rate is not None and rate.step_time(4) == pytest.approx(1.2 * 0.04)
     tr.record(0.5, 0, 500, period=5.0)  # a pure prefill step (no decode) does not count
     assert tr.wall_factor() == pytest.approx(1.2, rel=0.02)
+
+
+def test_a_request_alone_is_priced_no_slower_than_the_fastest_measured_step():
+    capped = dataclasses.replace(RATE, lone_step_s=0.005)
+    assert capped.step_time(1) == pytest.approx(0.005)  # (0.01 + 0.002)·1.25 = 0.015 without the cap
+    assert capped.step_time(2) == pytest.approx(RATE.step_time(2))  # only a request alone
+    assert capped.step_time(1, 100) == pytest.approx(RATE.step_time(1, 100))  # a step with prefill is not capped
+    assert dataclasses.replace(RATE, lone_step_s=1.0).step_time(1) == pytest.approx(RATE.step_time(1))
+    assert ServiceRate.from_dict(capped.to_dict()) == capped
+
+
+def test_a_window_of_prefill_heavy_full_batches_does_not_price_a_lone_request_out():
+    """Full batches, every other step with a prefill chunk: the floor (half the median step) times the wall
+    factor (which counts the prefill chunks again) priced a request alone at several times any step the
+    engine ran, and refused a deadline that a lone request meets easily."""
+    tr = StepTimeTracker()
+    for i in range(200):
+        d = 0.06 if i % 2 else 0.30  # decode-only steps, and steps carrying a 2 000-token prefill chunk
+        tr.record(d, 32, 0 if i % 2 else 2000, period=d)
+    rate = tr.service_rate(32)
+    assert rate is not None and rate.lone_step_s == pytest.approx(0.06)
+    uncapped = dataclasses.replace(rate, lone_step_s=None)
+    assert uncapped.step_time(1) > 4 * 0.06  # what admission priced it at before the cap
+    assert rate.step_time(1) == pytest.approx(0.06)
+    kw = dict(prompt_tokens=50, len_bound=192, batch=1)  # 192 tokens, a 20 s deadline
+    assert admission_deadline("deadline", 20.0, 5.0, rate=uncapped, **kw).reason == "too_late"
+    assert not admission_deadline("deadline", 20.0, 5.0, rate=rate, **kw).refuse_now
 
 
 def _wait_for_rate(state, timeout: float = 10.0) -> None:

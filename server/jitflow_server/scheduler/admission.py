@@ -70,6 +70,14 @@ class ServiceRate:
     execution (``tracker/steps.py``) scaled to the wall time a decoding request sees per token (the
     scheduler's own time and other requests' prefill chunks; measured 1.12 on the demo model at B = 16).
     ``min_step_s`` floors the fit (a least-squares fit over similar samples can extrapolate to ~0).
+    ``lone_step_s`` (``None``: not reported) caps the step of a request decoding alone: the fastest wall
+    time between two decoding steps the engine measured (the 5th percentile over its window). A lone
+    request never waits longer per token than a step the engine ran with others, and without the cap a
+    window of prefill-heavy full batches priced it at the floor times the wall factor, both of which
+    already count the others' prefill: replaying the real engine's step log under the mixed load at 8
+    and 16 requests/s (demo model, 2-core AMD EPYC with AVX-512), 0.36 and 1.4 s per token (medians)
+    where a lone step took 17 ms, and in a `make demo` on that machine deadline admission refused five
+    deadline requests of the normal phase (0.7× capacity) as needing 22.6–29.2 s for a 20 s deadline.
     ``batch_size``: B, the most requests that decode together. ``decode_batch``: how many requests the
     engine decodes together in its busier steps (the 90th percentile over the tracker's window, at most
     B; ``None``: not reported), so that a reader of the fit can evaluate it where it was measured instead
@@ -84,11 +92,16 @@ class ServiceRate:
     min_step_s: float
     batch_size: int
     decode_batch: int | None = None
+    lone_step_s: float | None = None
 
     def step_time(self, n_decode: int, prefill_tokens: int = 0) -> float:
-        """Wall time (s) of one step with ``n_decode`` decoding requests and ``prefill_tokens``."""
+        """Wall time (s) of one step with ``n_decode`` decoding requests and ``prefill_tokens`` (at most
+        ``lone_step_s`` for a request decoding alone)."""
         t = self.base_s + self.per_decode_s * n_decode + self.per_prefill_token_s * prefill_tokens
-        return max(t, self.min_step_s) * self.wall_factor
+        t = max(t, self.min_step_s) * self.wall_factor
+        if n_decode <= 1 and prefill_tokens == 0 and self.lone_step_s is not None:
+            return min(t, self.lone_step_s)
+        return t
 
     def service_time(self, prompt_tokens: int, len_bound: int, batch: int | None = None) -> float:
         """Seconds to prefill ``prompt_tokens`` and generate ``len_bound`` tokens in a batch of ``batch``
@@ -120,6 +133,9 @@ class ServiceRate:
             return None
         if r.decode_batch is not None and (not isinstance(r.decode_batch, int) or isinstance(r.decode_batch, bool)
                                            or r.decode_batch < 1):
+            return None
+        if r.lone_step_s is not None and (not isinstance(r.lone_step_s, (int, float)) or isinstance(r.lone_step_s, bool)
+                                          or not math.isfinite(r.lone_step_s) or r.lone_step_s <= 0):
             return None
         return r
 

@@ -216,7 +216,19 @@ class StepTimeTracker:
         b_max = max(int(batch_size), 1)
         return ServiceRate(base_s=a, per_decode_s=b, per_prefill_token_s=c, wall_factor=self._wall,
                            min_step_s=0.5 * self._median_duration(), batch_size=b_max,
-                           decode_batch=self.decode_batch(b_max))
+                           decode_batch=self.decode_batch(b_max), lone_step_s=self.lone_step())
+
+    def lone_step(self) -> float | None:
+        """The fastest wall time (s) between two decoding steps in the window: the 5th percentile of the
+        measured periods of the steps that decode (their durations where no period is known), ``None``
+        when none decodes. A request decoding alone takes no longer per token (``ServiceRate.lone_step_s``)."""
+        rows = self._ring[: self.n_samples]
+        rows = rows[rows[:, 1] > 0]
+        if not len(rows):
+            return None
+        wall = rows[:, 4]
+        t = np.where(np.isnan(wall), rows[:, 3], wall)
+        return float(np.percentile(t, 5))
 
     def decode_batch(self, batch_size: int) -> int | None:
         """The 90th percentile of the decoding requests per step over the window's steps that decode (at
