@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jitflow_server.tracker.steps import StepTimeTracker
+from jitflow_server.tracker.steps import NARROW_SPAN, STRATUM_STEPS, StepTimeTracker
 
 
 def test_fit_recovers_a_linear_step_model():
@@ -54,6 +54,35 @@ def test_the_window_slides_and_the_fit_matches_a_fresh_non_negative_fit():
     assert model is not None and model.floor_s == pytest.approx(0.5 * float(np.median(last[:, 3])), rel=1e-12)
     tr.record(0.5, 32, 0)  # a new step replaces the cached model
     assert tr.token_time_model() is not model
+
+
+def test_a_narrow_window_is_fitted_with_the_kept_steps_of_the_sizes_it_lacks():
+    """A window whose decoding batch sizes span less than NARROW_SPAN of the largest: the last STRATUM_STEPS
+    steps of every size that left it join the fit, exactly as a fresh non-negative fit over both."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    rng = np.random.default_rng(3)
+    tr = StepTimeTracker(window=64)
+    rows = []
+    for i in range(200):  # every size first, then a burst held at 30-32 for longer than the window
+        n = int(rng.integers(1, 17)) if i < 120 else int(rng.integers(30, 33))
+        pre = int(rng.integers(0, 2)) * 128
+        dur = 0.01 + 0.001 * n + 0.0001 * pre + float(rng.normal(0, 1e-4))
+        tr.record(dur, n, pre)
+        rows.append((1.0, n, pre, dur))
+    last = np.array(rows[-64:])
+    assert last[:, 1].max() - last[:, 1].min() < NARROW_SPAN * last[:, 1].max()
+    gone: dict[float, list] = {}
+    for r in rows[:-64]:
+        gone.setdefault(r[1], []).append(r)
+    kept = [r for n, rs in gone.items() if n not in set(last[:, 1]) for r in rs[-STRATUM_STEPS:]]
+    assert kept  # sizes 1-16 come from the kept steps
+    fit = np.array(list(last) + kept)
+    coef = nnls(fit[:, :3], fit[:, 3])[0]
+    assert tr.step_time(10, 128) == pytest.approx(coef[0] + 10 * coef[1] + 128 * coef[2], rel=1e-9)
+    window_only = nnls(last[:, :3], last[:, 3])[0]
+    assert not np.allclose(coef, window_only)  # the kept steps did change the fit
 
 
 def test_a_window_held_at_one_batch_size_keeps_the_slope():
