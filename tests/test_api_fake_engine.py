@@ -5,6 +5,7 @@ clean-up without a model."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import threading
@@ -231,3 +232,32 @@ def test_task_context_in_headers_reaches_the_task_under_its_app(env):
         bad = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": MSG},
                          headers={**head, "x-jitflow-stage-index": "-1"}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-jitflow-stage-index"
+
+
+@pytest.mark.parametrize("mode", ["sub_deadline", "waiting_time"])
+def test_compound_call_waits_for_its_start_until_its_sub_deadline(env, mode):
+    """An agent task's call may wait past the waiting time until its stage's sub-deadline (a rejected call
+    fails its task); with ``compound_waiting="waiting_time"`` it is rejected at its waiting time (the SDK
+    sends a task's ``waiting_time`` with each call)."""
+    eng = FakeEngine(eos_after=3)
+    eng.paused = True  # nothing starts until the test resumes the engine
+    settings = ServerSettings(compound_waiting=mode)
+    with serve(eng, settings) as (url, _):
+        assert httpx.post(url + "/v1/tasks", json={"task_id": "w-1", "app": "demo-app", "deadline": 30}
+                          ).status_code == 201
+        ctx = {"task_id": "w-1", "stage": "plan", "stage_index": 0, "call_id": "c0"}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_chat, url, max_tokens=8, jitflow=ctx, slo={"waiting_time": 0.5})
+            time.sleep(1.5)  # three waiting times
+            eng.paused = False
+            r = fut.result(timeout=30)
+        (req,) = eng.requests.values()
+        h = req.hints
+        if mode == "sub_deadline":
+            assert h.sub_deadline > 1.5 and h.waiting_time == pytest.approx(h.sub_deadline)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3
+        else:
+            assert h.waiting_time == 0.5
+            assert r.status_code == 429 and r.json()["error"]["code"] == "admission_rejected"
+            assert r.headers["Retry-After"] == "1"

@@ -266,3 +266,17 @@ def test_the_analyzer_plans_with_the_speed_the_engine_reports(monkeypatch):
         time.sleep(1.2)  # two more polls (every 0.5 s), each of which would have replaced a built-in model
         tm = httpx.get(url + "/v1/jitflow/engine").json()["analyzer"]["time_model"]
         assert tm == {"decode_s_per_token": 0.2, "prefill_s_per_token": 0.002, "source": "JITFLOW_TIME_MODEL"}
+
+
+def test_compound_waiting_time_is_the_later_of_waiting_time_and_sub_deadline():
+    from jitflow_server.scheduler.admission import compound_waiting_time
+
+    assert compound_waiting_time(5.0, 30.0, "sub_deadline") == 30.0
+    assert compound_waiting_time(5.0, 2.0, "sub_deadline") == 5.0  # never shorter than the waiting time
+    assert compound_waiting_time(5.0, 30.0) == 5.0  # the default holds it to the waiting time
+    assert compound_waiting_time(None, 30.0, "sub_deadline") is None  # no admission control stays none
+    assert compound_waiting_time(5.0, None, "sub_deadline") == 5.0  # no analyzer: the waiting time
+    with pytest.raises(ValueError, match="compound_waiting"):
+        compound_waiting_time(5.0, 30.0, "forever")
+    with pytest.raises(ValueError, match="compound_waiting"):
+        ServerSettings(compound_waiting="forever")

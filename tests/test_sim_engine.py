@@ -374,3 +374,30 @@ def test_the_token_time_a_policy_sees_includes_other_requests_prefill_as_on_the_
     decode_only = SMALL.base_s + 4 * SMALL.per_decode_s
     assert per_token > 2.5 * decode_only  # the prefill chunks dominate the wait
     assert sorted(planned)[len(planned) // 2] == pytest.approx(per_token, rel=0.25)
+
+
+@pytest.mark.parametrize("mode", ["sub_deadline", "waiting_time"])
+def test_compound_call_waits_until_its_sub_deadline(mode):
+    """Two long requests hold both slots for ~6 s. A compound call that arrives behind them is rejected
+    after the 1 s waiting time when held to it, and waits for a slot (its sub-deadline is far) otherwise;
+    a deadline request that arrives after it is still rejected at its own 1 s, whatever the mode."""
+    model = StepModel(**{**SMALL.to_dict(), "batch_size": 2, "name": "b2"})
+    jobs = [Job(f"long{i}", "deadline", 0.0, "batch", [[CallSpec(50, 500)]], deadline=1000.0) for i in range(2)]
+    jobs += [Job("task", "compound", 0.1, "tot", [[CallSpec(30, 10)]], deadline=300.0),
+             Job("late", "deadline", 0.2, "batch", [[CallSpec(30, 10)]], deadline=1000.0)]
+    eng = SimEngine(model, make_policy("fcfs", delta_steps=50), LengthBounder("oracle"), _analyzer(model),
+                    SimConfig(waiting_time=1.0, compound_waiting=mode))
+    rec = {r["id"]: r for r in eng.run(jobs)["jobs"]}
+    assert rec["long0"]["slo_met"] and rec["long1"]["slo_met"]
+    assert rec["long0"]["e2el"] > 3.0  # the slots really were held past the waiting time
+    assert rec["late"]["rejected"]
+    if mode == "sub_deadline":
+        assert rec["task"]["slo_met"] and not rec["task"]["rejected"]
+        assert rec["task"]["e2el"] > rec["long0"]["e2el"] - 0.1  # it started when a slot freed
+    else:
+        assert rec["task"]["rejected"] and not rec["task"]["slo_met"]
+
+
+def test_unknown_compound_waiting_is_refused():
+    with pytest.raises(ValueError, match="compound_waiting"):
+        SimConfig(compound_waiting="forever")

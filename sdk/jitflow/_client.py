@@ -261,7 +261,8 @@ class AsyncClient(_BaseClient):
             model: default model for ``stage.chat``. on_deadline: ``"raise"`` or ``"best_effort"``.
             metadata: JSON metadata for the registration. task_id: explicit id (default uuid4).
             waiting_time: admission bound in seconds for each of the task's LLM calls that sets
-                none itself (default: the server's, 5 s unless configured).
+                none itself (default: the server's, 5 s unless configured; ``jitflow serve
+                --compound-waiting sub-deadline`` lets a call wait until its stage's sub-deadline when later).
 
         Nested use inside an active task reuses that task.
 

@@ -170,6 +170,11 @@ def register(app: typer.Typer) -> None:
         handover: float = typer.Option(2.0, min=0.0, help="With replicas: a call without a token this many "
                                        "seconds after reaching its replica moves once to a replica with at least "
                                        "1 s less work in flight (0 = never)."),
+        compound_waiting: str = typer.Option(
+            "waiting-time", envvar="JITFLOW_COMPOUND_WAITING",
+            help="waiting-time: every call is held to its waiting time; sub-deadline: an agent task's call may "
+            "wait for its start until its stage's sub-deadline when that is later (a rejected call fails its "
+            "task; docs/scheduling.md); env JITFLOW_COMPOUND_WAITING."),
         analyzer_budget: float = typer.Option(
             0.05, min=0.001, max=10.0, help="The longest a compound call waits for its pattern match (s); past "
                                             "it the call gets the fallback sub-deadline and a metric counts it."),
@@ -225,6 +230,8 @@ def register(app: typer.Typer) -> None:
             os.environ["JITFLOW_LENGTH_TELEMETRY"] = str(length_telemetry)
         if patterns:
             os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
+        if compound_waiting not in ("sub-deadline", "waiting-time"):
+            raise typer.BadParameter("choose sub-deadline or waiting-time", param_hint="--compound-waiting")
         name = served_name or (model if model in VARIANTS else path.name)
         urls = list(replica)
         if replicas_file is not None:
@@ -237,7 +244,8 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"{replicas_file} lists no replica URL", param_hint="--replicas-file")
         settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
                                   api_keys=keys, deadline_admission=deadline_admission,
-                                  admission_safety=admission_safety, analyzer_budget=analyzer_budget)
+                                  admission_safety=admission_safety, analyzer_budget=analyzer_budget,
+                                  compound_waiting=compound_waiting.replace("-", "_"))
         if urls:
             from jitflow_server.engine.remote import RemoteEngine, RouterConfig
             from jitflow_server.scheduler.routing import ROUTER_NAMES

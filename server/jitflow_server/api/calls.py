@@ -112,8 +112,9 @@ class LiveCall:
     async def first(self) -> Event:
         """Wait for the first event, enforcing admission control (``waiting_time``, JITServe §5).
 
-        Raises ``APIError(429)`` (``admission_rejected``, with ``Retry-After``) when the engine had not
-        scheduled the request by ``arrival + waiting_time`` and removed it.
+        Raises ``APIError(429)`` (``admission_rejected``, with ``Retry-After``: the waiting time, at most the
+        server's default, since a compound call may have waited until its sub-deadline) when the engine had
+        not scheduled the request by ``arrival + waiting_time`` and removed it.
         """
         deadline = self.timing.arrival + self.waiting_time if self.waiting_time else None
         while True:
@@ -132,7 +133,8 @@ class LiveCall:
                     raise APIError(
                         429, f"request was not admitted within its waiting_time of {self.waiting_time:g} s",
                         type="admission_rejected", param="slo.waiting_time", code="admission_rejected",
-                        headers={"Retry-After": str(max(1, round(self.waiting_time or 1)))},
+                        headers={"Retry-After": str(max(1, round(min(self.waiting_time or 1,
+                                                                      self.state.settings.default_waiting_time))))},
                     ) from None
                 deadline = None  # admitted: wait without a limit
 

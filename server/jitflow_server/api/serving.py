@@ -30,7 +30,7 @@ from jitflow_server.api.schemas import SLO, APIError
 from jitflow_server.api.state import ServerState
 from jitflow_server.api.tracing import end_request_span, start_request_span
 from jitflow_server.engine.protocol import GenerateRequest, InvalidRequestError, StructuredOutput
-from jitflow_server.scheduler.admission import AdmissionDeadline, admission_deadline
+from jitflow_server.scheduler.admission import AdmissionDeadline, admission_deadline, compound_waiting_time
 from jitflow_server.scheduler.hints import HintsError, SchedHints, reserved_keys
 from jitflow_server.scheduler.types import SLOSpec
 from jitflow_server.tracker.metrics import RequestTiming
@@ -185,6 +185,10 @@ async def start_call(state: ServerState, body, prompt_ids: list[int], request: R
         hints.update(kind="compound", task_id=advice.task_id, stage_index=advice.stage_index,
                      deadline=advice.slo.deadline, sub_deadline=advice.sub_deadline - arrival,
                      task_tokens_est=advice.task_tokens_est, task_rem_gen_time=advice.task_rem_gen_time)
+        waiting_time = compound_waiting_time(waiting_time, advice.sub_deadline - arrival,
+                                             state.settings.compound_waiting)
+        hints["waiting_time"] = waiting_time
+        timing.slo = dataclasses.replace(timing.slo, waiting_time=waiting_time)
     exact = bool(body.ignore_eos)
     predicted = None
     fmt = None

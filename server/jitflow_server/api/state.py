@@ -16,7 +16,12 @@ from jitflow_server.analyzer.budget import DEFAULT_ANALYZER_BUDGET
 from jitflow_server.api.auth import APIKey
 from jitflow_server.api.limits import DEFAULT_MAX_BODY_BYTES
 from jitflow_server.engine.protocol import Engine
-from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S, Commitment, ServiceRate
+from jitflow_server.scheduler.admission import (
+    COMPOUND_WAITING,
+    DEFAULT_WAITING_TIME_S,
+    Commitment,
+    ServiceRate,
+)
 from jitflow_server.scheduler.hints import HintUpdate
 from jitflow_server.scheduler.types import Kind
 from jitflow_server.tracker.metrics import ServerMetrics
@@ -44,7 +49,10 @@ class ServerSettings:
     E2EL-deadline requests to their latest feasible start (``scheduler/admission.py``), with the service
     time estimate multiplied by ``admission_safety``; ``service_poll_period``: how often the engine's
     measured speed is read for it and for the analyzer's call-time model (s); ``analyzer_budget``: the
-    longest a compound call waits for its pattern match (s, ``analyzer/budget.py``).
+    longest a compound call waits for its pattern match (s, ``analyzer/budget.py``);
+    ``compound_waiting``: ``"waiting_time"`` holds a compound call to its waiting time, ``"sub_deadline"``
+    lets it wait for its start until its stage's sub-deadline when that is later
+    (``scheduler/admission.py``, :func:`~jitflow_server.scheduler.admission.compound_waiting_time`).
     """
 
     default_waiting_time: float = DEFAULT_WAITING_TIME_S
@@ -58,6 +66,11 @@ class ServerSettings:
     admission_safety: float = 1.0
     service_poll_period: float = 0.5
     analyzer_budget: float = DEFAULT_ANALYZER_BUDGET
+    compound_waiting: str = "waiting_time"
+
+    def __post_init__(self) -> None:
+        if self.compound_waiting not in COMPOUND_WAITING:
+            raise ValueError(f"compound_waiting must be one of {COMPOUND_WAITING}, got {self.compound_waiting!r}")
 
 
 class ServerState:

@@ -77,6 +77,8 @@ class RunSettings:
     alpaca_dir: Path | None = None
     #: Seconds past its deadline that a deadline request's or compound task's client gives up (``None``: never).
     give_up_after: float | None = GIVE_UP_AFTER_S
+    #: How long a compound call may wait for its start (``scheduler.admission.COMPOUND_WAITING``).
+    compound_waiting: str = "waiting_time"
 
 
 def is_gmax_family(variant: str) -> bool:
@@ -183,7 +185,8 @@ def build_sim(jobs: list[Job], model: StepModel, variant: str, st: RunSettings, 
     wt = st.waiting_time if admit else None
     give_up = None if variant.endswith("-noadmit") else st.give_up_after  # -noadmit: serve every job
     eng = SimEngine(model, pol, bounder, sim_an, SimConfig(batch_size=B, waiting_time=wt, seed=st.seed,
-                                                      give_up_after=give_up))
+                                                      give_up_after=give_up,
+                                                      compound_waiting=st.compound_waiting))
     return SimSetup(eng, jobs, variant + (TRUTH if truth else ""), an_mode, wt, len_mode)
 
 

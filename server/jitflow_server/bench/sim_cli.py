@@ -79,7 +79,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                   sweep_rps: Optional[float], gmax_params: dict, progress=None,
                   admission: str = "shared", age_boost: bool = False, seeds: int = 1,
                   scaling: tuple[int, ...] = (), trace: Optional[Path] = None,
-                  give_up: float = GIVE_UP_AFTER_S) -> dict:
+                  give_up: float = GIVE_UP_AFTER_S, compound_waiting: str = "waiting_time") -> dict:
     """Run every simulation of ``jitflow bench sim`` and return the results dict (see module docstring).
 
     ``seeds`` > 1 repeats the policy × load grid on workloads of seeds ``seed … seed+seeds−1``
@@ -104,7 +104,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
     length_bound, bound_why = resolve_length_bound(length_bound, data_dir, ls, trace is not None)
     st = RunSettings(analyzer=analyzer, length_bound=length_bound, batch_size=batch_size,
                      waiting_time=waiting_time if waiting_time > 0 else None, length_scale=ls, seed=seed,
-                     give_up_after=give_up if give_up > 0 else None,
+                     give_up_after=give_up if give_up > 0 else None, compound_waiting=compound_waiting,
                      gmax_params=gmax_params, admission=admission, age_boost=age_boost,
                      alpaca_dir=data_dir / "alpaca_eval" if data_dir is not None else None)
     mix_w = parse_mix(mix)
@@ -133,6 +133,7 @@ def run_sim_bench(preset: str, policies: list[str], rps_list: list[float], n_req
                             "tightness": tightness, "length_bound": length_bound,
                             "length_bound_reason": bound_why, "analyzer": analyzer,
                             "batch_size": batch_size or model.batch_size, "waiting_time": waiting_time, "give_up_after": give_up,
+                            "compound_waiting": compound_waiting,
                             "admission": admission, "age_boost": age_boost,
                             "length_scale": ls, "data": data.origin, "gmax_params": gmax_params},
                  "main": {}, "workloads": {}}
@@ -259,6 +260,10 @@ def register(bench_app: typer.Typer) -> None:
         give_up: float = typer.Option(GIVE_UP_AFTER_S, "--give-up", min=0.0,
                                       help="Seconds past its deadline that the client of a deadline request or "
                                       "compound task gives up and the call is aborted, for every policy (0 = never)."),
+        compound_waiting: str = typer.Option(
+            "waiting-time", "--compound-waiting",
+            help="waiting-time: every call waits --waiting-time at most for its start; sub-deadline: a compound "
+            "call may wait until its stage's sub-deadline when that is later (every policy; docs/scheduling.md)."),
         age_boost: bool = typer.Option(False, "--age-boost/--no-age-boost",
                                        help="Apply the proposed δ fix (boost aged from arrival, as gmax-age) to "
                                        "every GMAX-family variant (gmax, oracle, gmax-noanalyzer, gmax-paper)."),
@@ -315,6 +320,8 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of auto, {', '.join(LENGTH_MODES)}", param_hint="--length-bound")
         if analyzer not in ("pattern", "none"):
             raise typer.BadParameter(f"choose one of {ANALYZER_MODES[::2]}", param_hint="--analyzer")
+        if compound_waiting not in ("sub-deadline", "waiting-time"):
+            raise typer.BadParameter("choose sub-deadline or waiting-time", param_hint="--compound-waiting")
         if admission not in ADMISSION_TEXT:
             raise typer.BadParameter(f"choose one of {', '.join(ADMISSION_TEXT)}", param_hint="--admission")
         if arrivals not in ("poisson", "azure"):
@@ -353,7 +360,7 @@ def register(bench_app: typer.Typer) -> None:
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
                                     mix_list, sw_n, sweep_rps, gparams, prog, admission, age_boost, seeds,
-                                    sizes, trace, give_up)
+                                    sizes, trace, give_up, compound_waiting.replace("-", "_"))
         except (WorkloadError, ValueError, FileNotFoundError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (

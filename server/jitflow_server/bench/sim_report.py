@@ -10,6 +10,7 @@ from pathlib import Path
 ADMISSION_TEXT = {"shared": "the same waiting_time admission for every policy",
                   "jitserve": "waiting_time admission for the GMAX variants only, as in the JITServe paper",
                   "off": "no admission control"}
+COMPOUND_TEXT = {"sub_deadline": "their stage's sub-deadline when later", "waiting_time": "the waiting_time"}
 
 
 def headline(main: dict, rps_key: str, admission: str = "shared") -> dict:
@@ -137,7 +138,8 @@ def write_sim_report(res: dict, out: Path, command: str) -> list[Path]:
          f"{cfg['arrivals']}, SLO tightness {cfg['tightness']}, length bounds `{cfg['length_bound']}` "
          f"({cfg.get('length_bound_reason', '')}), analyzer "
          f"`{cfg['analyzer']}`, B = {cfg['batch_size']}, waiting_time {cfg['waiting_time']} s "
-         f"(admission `{cfg.get('admission')}`: {ADMISSION_TEXT.get(cfg.get('admission'), '?')}), length scale "
+         f"(admission `{cfg.get('admission')}`: {ADMISSION_TEXT.get(cfg.get('admission'), '?')}; compound calls "
+         f"wait up to {COMPOUND_TEXT.get(cfg.get('compound_waiting', 'waiting_time'), '?')}), length scale "
          f"{cfg['length_scale']}, seed {cfg['seed']}, δ aged from arrival for all GMAX variants: "
          f"{cfg.get('age_boost', False)}. Data: {cfg['data']}. Wall time {res['wall_s']:.0f} s.", ""]
     n_seeds = cfg.get("seeds", 1)

@@ -35,7 +35,9 @@ It mirrors what the vLLM plug-in (``engine/plugin.py``) does, in virtual time:
   content first. This is optimistic under KV pressure (running calls' private blocks shrink the real
   cache), and hits do not reduce the hitting call's KV block count (shared blocks are counted once per
   call, conservatively). Calls without ``prefix_ids`` never touch the cache, so their runs are unchanged;
-- admission control (JITServe §5): a call never scheduled within ``waiting_time`` is rejected;
+- admission control (JITServe §5): a call never scheduled within ``waiting_time`` is rejected (with
+  ``compound_waiting="sub_deadline"``, an option, a compound call may wait until its stage's sub-deadline
+  when that is later, as on the real server with ``ServerSettings.compound_waiting``);
 - step time from the preset (:class:`~jitflow_server.bench.presets.StepModel`), with the
   heterogeneity penalty; stretches of pure decode steps with an unchanged plan are advanced in one
   vectorised *macro-step* (same result as stepping one by one, up to the heterogeneity factor being
@@ -55,7 +57,7 @@ import numpy as np
 from jitflow_server.engine.jobs import GIVE_UP_AFTER_S, Job
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import Kind, Policy, RequestView
-from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
+from jitflow_server.scheduler.admission import COMPOUND_WAITING, DEFAULT_WAITING_TIME_S, compound_waiting_time
 from jitflow_server.scheduler.lifecycle import Lifecycle
 from jitflow_server.scheduler.prefill_budget import Timeline
 from jitflow_server.scheduler.types import SLOSpec
@@ -164,7 +166,10 @@ class SimConfig:
     control, ``None`` = off); ``chunk`` per-step token budget override; ``max_drain_s`` virtual
     seconds after the last arrival before unfinished calls are cut off (counted as missed);
     ``give_up_after`` s after its deadline the client of a deadline request or of a compound task stops
-    waiting and the call (the whole task) is aborted (``None``: clients wait forever)."""
+    waiting and the call (the whole task) is aborted (``None``: clients wait forever);
+    ``compound_waiting``: ``"waiting_time"`` (default) holds every call to ``waiting_time``;
+    ``"sub_deadline"`` lets a compound call wait for its start until its stage's sub-deadline (the
+    analyzer's) when that is later."""
 
     batch_size: int | None = None
     waiting_time: float | None = DEFAULT_WAITING_TIME_S
@@ -172,6 +177,11 @@ class SimConfig:
     max_drain_s: float = 1800.0
     seed: int = 0
     give_up_after: float | None = GIVE_UP_AFTER_S
+    compound_waiting: str = "waiting_time"
+
+    def __post_init__(self) -> None:
+        if self.compound_waiting not in COMPOUND_WAITING:
+            raise ValueError(f"compound_waiting must be one of {COMPOUND_WAITING}, got {self.compound_waiting!r}")
 
 
 class SimEngine:
@@ -239,6 +249,8 @@ class SimEngine:
                 c.view.sub_deadline = info.sub_deadline
                 c.view.task_rem_gen_time = info.task_rem_gen_time
                 c.view.task_tokens_est = info.task_tokens_est
+                c.waiting_time = compound_waiting_time(c.waiting_time, info.sub_deadline - now,
+                                                       self.cfg.compound_waiting)
         js.open_calls = len(calls)
         js.calls.extend(calls)
         return calls

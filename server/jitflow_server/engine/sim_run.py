@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jitflow_server.engine.jobs import PREFIX_BLOCK_TOKENS, Job
+from jitflow_server.engine.sim_admission import AdmissionClocks
 from jitflow_server.engine.sim_cache import PrefixCaches
 from jitflow_server.engine.step_model import cv
 from jitflow_server.scheduler import SchedContext
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from jitflow_server.engine.sim import SimEngine, _Call
 
 
-class SimRun(PrefixCaches):
+class SimRun(AdmissionClocks, PrefixCaches):
     """The state of one run of ``engine`` over ``jobs`` (virtual seconds, tokens, KV blocks).
 
     :meth:`run` simulates to completion. A front end routing jobs as they arrive starts from none and the
@@ -65,7 +66,8 @@ class SimRun(PrefixCaches):
         self.t_limit = math.inf  # run_until's bound: no step starts past it
         self.running: list[_Call] = []
         self.waiting: dict[str, _Call] = {}
-        self.unsched: dict[str, _Call] = {}  # never scheduled, in arrival order (admission deadlines)
+        self.unsched: dict[str, _Call] = {}  # never scheduled, in arrival order
+        self.admit_heap: list[tuple[float, int, _Call]] = []  # see AdmissionClocks
         self.live: dict[str, _Call] = {}
         self.stale: dict[str, _Call] = {}  # waiting calls arrived or preempted since the last frame (replan)
         self.attained = getattr(self.pol, "reads_attained_service", True)  # else views keep it stale
@@ -83,7 +85,7 @@ class SimRun(PrefixCaches):
         self.why_preempt: dict[str, int] = {}  # as the plug-in's preempt events: policy, slots, kv, blocked
         self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}  # as the plug-in's stats
         self.t = 0.0
-        self.wt, self.give_up = engine.cfg.waiting_time, engine.cfg.give_up_after
+        self.give_up = engine.cfg.give_up_after
         self.give_up_heap: list[tuple[float, int, _Call]] = []  # (time its client gives up, seq, call)
         self.abandoned = 0  # calls aborted because their client gave up
         self.stall = 0.0  # swap-out/in time charged to the next step
@@ -176,33 +178,13 @@ class SimRun(PrefixCaches):
                 self.waiting[c.rid] = c
                 self.unsched[c.rid] = c
                 self.stale[c.rid] = c
+                if c.waiting_time is not None:
+                    heapq.heappush(self.admit_heap, (c.arrival + c.waiting_time, self.seq, c))
+                    self.seq += 1
                 if self.give_up is not None and c.view.deadline is not None:  # deadline and compound calls
                     heapq.heappush(self.give_up_heap, (c.view.deadline + self.give_up, self.seq, c))
                     self.seq += 1
             self.dirty = True
-
-    def expire_unadmitted(self) -> None:
-        """Admission control (JITServe §5): reject calls never scheduled within their waiting time."""
-        if self.wt is None or not self.unsched:
-            return
-        for rid in list(self.unsched):
-            c = self.unsched.get(rid)
-            if c is None:  # aborted with its task above
-                continue
-            if c.arrival + (c.waiting_time or math.inf) < self.t:
-                self.finish_call(c, self.t, False, RequestState.REJECTED)
-            else:
-                break
-
-    def abandon(self) -> None:
-        """Abort the calls whose client gave up (``give_up_after`` s past the deadline; a compound call's
-        task fails with it). Checked once per (macro-)step, so a call may end up to one macro-step late."""
-        heap = self.give_up_heap
-        while heap and heap[0][0] < self.t:
-            c = heapq.heappop(heap)[2]
-            if not c.life.done:
-                self.abandoned += 1
-                self.finish_call(c, self.t, False)
 
     # ------------------------------------------------------------------ one step
     def refresh(self, c: _Call) -> None:
@@ -367,7 +349,7 @@ class SimRun(PrefixCaches):
         if self.frame_step != self.step:  # stale plan: recompute it at the same time first
             return
         nxt = self.heap[0][0] if self.heap else math.inf
-        exp = min((c.arrival + (c.waiting_time or math.inf) for c in self.unsched.values()), default=math.inf)
+        exp = self.next_admit_deadline()
         cand = min(nxt, exp, self.t_limit)
         self.t = max(self.t + self.m.base_s, cand + 1e-9) if math.isfinite(cand) else self.t + self.m.base_s
 
@@ -388,8 +370,7 @@ class SimRun(PrefixCaches):
             steps = (m.base_s + m.per_decode_s * n + m.per_ctx_token_s * (s0 + n * np.arange(k))) * hetero
             cum = np.cumsum(steps)
             t_event = self.heap[0][0] if self.heap else math.inf
-            if self.unsched and self.wt is not None:
-                t_event = min(t_event, next(iter(self.unsched.values())).arrival + self.wt)
+            t_event = min(t_event, self.next_admit_deadline())
             t_event = min(t_event, self.t_stop, self.t_limit)
             if math.isfinite(t_event) and k > 1:
                 starts = self.t + np.concatenate(([0.0], cum[:-1]))
