@@ -174,7 +174,7 @@ def register(app: typer.Typer) -> None:
             "waiting-time", envvar="JITFLOW_COMPOUND_WAITING",
             help="waiting-time: every call is held to its waiting time; sub-deadline: an agent task's call may "
             "wait for its start until its stage's sub-deadline when that is later (a rejected call fails its "
-            "task; docs/scheduling.md); env JITFLOW_COMPOUND_WAITING."),
+            "task; docs/scheduling.md)."),
         analyzer_budget: float = typer.Option(
             0.05, min=0.001, max=10.0, help="The longest a compound call waits for its pattern match (s); past "
                                             "it the call gets the fallback sub-deadline and a metric counts it."),

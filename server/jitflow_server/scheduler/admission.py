@@ -75,8 +75,7 @@ def compound_waiting_time(waiting_time: float | None, sub_deadline: float | None
     rejected call fails its whole task; ``"sub_deadline"`` lets them wait. It is not the default: in the
     simulator (``a100-llama8b``, seeds 0–2, the same rule for every policy) it raised GMAX's token
     goodput by 4.8 % at 1.9× capacity on the default workload, but cost GMAX up to 16 % of its tokens and
-    11–28 % of its requests on the replayed Mooncake traces (calls started near their sub-deadline end
-    past it and their tasks fail with the capacity they took), and on the Azure code replay it helped the
+    11–28 % of its requests on the replayed Mooncake traces, and on the Azure code replay it helped the
     other policies more than GMAX (docs/scheduling.md, "Letting agent calls wait until their
     sub-deadline").
 
