@@ -1,7 +1,8 @@
 """Admission control and clients that give up, as methods of :class:`~jitflow_server.engine.sim_run.SimRun`.
 
-A call never scheduled within its waiting time is rejected (JITServe §5; a compound call's waiting time
-can run to its stage's sub-deadline, :func:`~jitflow_server.scheduler.admission.compound_waiting_time`),
+A call never scheduled within its waiting time is rejected (JITServe §5; with ``compound_waiting=
+"sub_deadline"`` a compound call's waiting time can run to its stage's sub-deadline,
+:func:`~jitflow_server.scheduler.admission.compound_waiting_time`),
 and the client of a deadline request or a compound task stops waiting ``give_up_after`` s past its
 deadline. Both are heaps of (time, seq, call) read lazily: an entry whose call was scheduled or ended
 since is dropped when it reaches the top, so each check is O(log n) per call.
