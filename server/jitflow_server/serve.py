@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from jitflow_server.engine.demo_model import VARIANTS
-from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
+from jitflow_server.scheduler.admission import COMPOUND_WAITING, DEFAULT_WAITING_TIME_S
 
 
 def parse_value(text: str) -> object:
@@ -230,7 +230,7 @@ def register(app: typer.Typer) -> None:
             os.environ["JITFLOW_LENGTH_TELEMETRY"] = str(length_telemetry)
         if patterns:
             os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
-        if compound_waiting not in ("sub-deadline", "waiting-time"):
+        if compound_waiting.replace("-", "_") not in COMPOUND_WAITING:
             raise typer.BadParameter("choose sub-deadline or waiting-time", param_hint="--compound-waiting")
         name = served_name or (model if model in VARIANTS else path.name)
         urls = list(replica)

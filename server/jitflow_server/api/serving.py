@@ -185,10 +185,10 @@ async def start_call(state: ServerState, body, prompt_ids: list[int], request: R
         hints.update(kind="compound", task_id=advice.task_id, stage_index=advice.stage_index,
                      deadline=advice.slo.deadline, sub_deadline=advice.sub_deadline - arrival,
                      task_tokens_est=advice.task_tokens_est, task_rem_gen_time=advice.task_rem_gen_time)
-        waiting_time = compound_waiting_time(waiting_time, advice.sub_deadline - arrival,
-                                             state.settings.compound_waiting)
-        hints["waiting_time"] = waiting_time
-        timing.slo = dataclasses.replace(timing.slo, waiting_time=waiting_time)
+        wait = compound_waiting_time(waiting_time, advice.sub_deadline - arrival, state.settings.compound_waiting)
+        if wait != waiting_time:  # longer, with compound_waiting="sub_deadline"
+            waiting_time = hints["waiting_time"] = wait
+            timing.slo = dataclasses.replace(timing.slo, waiting_time=wait)
     exact = bool(body.ignore_eos)
     predicted = None
     fmt = None

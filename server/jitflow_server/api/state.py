@@ -17,10 +17,10 @@ from jitflow_server.api.auth import APIKey
 from jitflow_server.api.limits import DEFAULT_MAX_BODY_BYTES
 from jitflow_server.engine.protocol import Engine
 from jitflow_server.scheduler.admission import (
-    COMPOUND_WAITING,
     DEFAULT_WAITING_TIME_S,
     Commitment,
     ServiceRate,
+    check_compound_waiting,
 )
 from jitflow_server.scheduler.hints import HintUpdate
 from jitflow_server.scheduler.types import Kind
@@ -69,8 +69,7 @@ class ServerSettings:
     compound_waiting: str = "waiting_time"
 
     def __post_init__(self) -> None:
-        if self.compound_waiting not in COMPOUND_WAITING:
-            raise ValueError(f"compound_waiting must be one of {COMPOUND_WAITING}, got {self.compound_waiting!r}")
+        check_compound_waiting(self.compound_waiting)
 
 
 class ServerState:

@@ -19,7 +19,7 @@ from jitflow_server.bench.sim_report import (
     write_sim_report,
 )
 from jitflow_server.engine.jobs import GIVE_UP_AFTER_S
-from jitflow_server.scheduler.admission import DEFAULT_WAITING_TIME_S
+from jitflow_server.scheduler.admission import COMPOUND_WAITING, DEFAULT_WAITING_TIME_S
 
 #: Requests (jobs) per load of an evaluation workload; ``bench tune`` tunes on workloads of the same length.
 DEFAULT_REQUESTS = 3000
@@ -320,7 +320,7 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of auto, {', '.join(LENGTH_MODES)}", param_hint="--length-bound")
         if analyzer not in ("pattern", "none"):
             raise typer.BadParameter(f"choose one of {ANALYZER_MODES[::2]}", param_hint="--analyzer")
-        if compound_waiting not in ("sub-deadline", "waiting-time"):
+        if compound_waiting.replace("-", "_") not in COMPOUND_WAITING:
             raise typer.BadParameter("choose sub-deadline or waiting-time", param_hint="--compound-waiting")
         if admission not in ADMISSION_TEXT:
             raise typer.BadParameter(f"choose one of {', '.join(ADMISSION_TEXT)}", param_hint="--admission")

@@ -57,7 +57,11 @@ import numpy as np
 from jitflow_server.engine.jobs import GIVE_UP_AFTER_S, Job
 from jitflow_server.engine.step_model import StepModel
 from jitflow_server.scheduler import Kind, Policy, RequestView
-from jitflow_server.scheduler.admission import COMPOUND_WAITING, DEFAULT_WAITING_TIME_S, compound_waiting_time
+from jitflow_server.scheduler.admission import (
+    DEFAULT_WAITING_TIME_S,
+    check_compound_waiting,
+    compound_waiting_time,
+)
 from jitflow_server.scheduler.lifecycle import Lifecycle
 from jitflow_server.scheduler.prefill_budget import Timeline
 from jitflow_server.scheduler.types import SLOSpec
@@ -180,8 +184,7 @@ class SimConfig:
     compound_waiting: str = "waiting_time"
 
     def __post_init__(self) -> None:
-        if self.compound_waiting not in COMPOUND_WAITING:
-            raise ValueError(f"compound_waiting must be one of {COMPOUND_WAITING}, got {self.compound_waiting!r}")
+        check_compound_waiting(self.compound_waiting)
 
 
 class SimEngine:

@@ -66,6 +66,13 @@ DEFAULT_WAITING_TIME_S = 5.0
 COMPOUND_WAITING = ("sub_deadline", "waiting_time")
 
 
+def check_compound_waiting(mode: str) -> str:
+    """``mode`` if it is one of :data:`COMPOUND_WAITING`; raises ``ValueError`` naming the choices otherwise."""
+    if mode not in COMPOUND_WAITING:
+        raise ValueError(f"compound_waiting must be one of {COMPOUND_WAITING}, got {mode!r}")
+    return mode
+
+
 def compound_waiting_time(waiting_time: float | None, sub_deadline: float | None,
                           mode: str = "waiting_time") -> float | None:
     """The admission deadline (s after arrival) of a compound call whose waiting time is ``waiting_time``.
@@ -86,9 +93,7 @@ def compound_waiting_time(waiting_time: float | None, sub_deadline: float | None
     Raises:
         ValueError: for an unknown ``mode``.
     """
-    if mode not in COMPOUND_WAITING:
-        raise ValueError(f"compound_waiting must be one of {COMPOUND_WAITING}, got {mode!r}")
-    if mode == "waiting_time" or waiting_time is None or sub_deadline is None:
+    if check_compound_waiting(mode) == "waiting_time" or waiting_time is None or sub_deadline is None:
         return waiting_time
     return max(waiting_time, sub_deadline)
 
