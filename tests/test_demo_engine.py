@@ -102,7 +102,7 @@ def test_a_stale_cached_capacity_is_measured_again(server_url, tmp_path):
     shapes = mix_shapes([("Say hello.", 16)], [("Explain a bit.", 24)], task_calls(patterns))
     cache = tmp_path / "cap.json"
     opts = DemoOptions(model="tiny", batch_size=4, calibration_window=2.0, capacity_cache=cache, seed=1)
-    key = machine_key("tiny", None, 4)
+    key = machine_key("tiny", None, 4, mix=shapes)
     settled = []
     console = Console(file=open(tmp_path / "console.txt", "w"), width=200)  # noqa: SIM115
     save_cached(Capacity(key, 1.0, 9.0, 1.0, 1.0, 1, 2.0, "long ago"), cache)  # no probe: trusted

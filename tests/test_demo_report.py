@@ -13,6 +13,7 @@ import pytest
 from jitflow_server.demo import BASE_MIX, DemoConfig, ReqRecord, phase_config, plot_report, summarize_run
 from jitflow_server.demo.calibrate import (
     STALE_SPREAD,
+    CallShape,
     Capacity,
     is_stale,
     load_cached,
@@ -76,6 +77,13 @@ def test_capacity_cache_round_trip_and_corrupt_file(tmp_path):
     assert key == machine_key("demo", "bfloat16", 32)
     # an engine bound to one core is measured apart from one with vLLM's own binding
     assert machine_key("demo", "bfloat16", 32, "1") == machine_key("demo", "bfloat16", 32, "0") != key
+    # the capacity is kept in units of the mix it was measured with: another mix is another measurement
+    one = [CallShape(64, 0.4, text="Say hello."), CallShape(32, 0.1, prompt_tokens=300)]
+    other = [CallShape(64, 0.4, text="Say hello."), CallShape(48, 0.1, prompt_tokens=300)]
+    with_mix = machine_key("demo", "bfloat16", 32, mix=one)
+    assert with_mix == machine_key("demo", "bfloat16", 32, mix=list(one)) != key
+    assert with_mix != machine_key("demo", "bfloat16", 32, mix=other)
+    assert with_mix != machine_key("demo", "bfloat16", 32, mix=[CallShape(64, 0.4, text="Say hi.")] + one[1:])
     assert load_cached(key, cache) is None
     cap = Capacity(key, 600.0, 0.05, 150.0, 4.0, 300, 20.0, "2026-11-25T00:00:00Z")
     save_cached(cap, cache)

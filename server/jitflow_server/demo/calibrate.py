@@ -23,7 +23,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,10 +142,13 @@ def capacity_warning(cap: Capacity, speed: dict[str, dict[str, float | None]],
             "1.5x this machine's capacity; run the demo again with --recalibrate")
 
 
-def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | None = None) -> str:
+def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | None = None,
+                mix: Sequence[CallShape] | None = None) -> str:
     """Cache key of a capacity measurement: CPU model, cores, speed flags, model, dtype, B, vLLM version,
-    and ``cores``, the cores the engine's compute threads were bound to (None: an unbound engine on every
-    core, ``jitflow serve --cpu-engine single``)."""
+    ``cores``, the cores the engine's compute threads were bound to (None: an unbound engine on every
+    core, ``jitflow serve --cpu-engine single``), and ``mix``, the call shapes it was measured with (None:
+    left out of the key). The capacity is kept in units of the mix (its ``scale``), so a measurement of
+    another mix (other pattern corpora with ``--patterns``, other prompts) must not be reused."""
     cpu, flags = "unknown-cpu", set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -163,6 +166,8 @@ def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | Non
     raw = f"v{CALIBRATION_VERSION}|{cpu}|{os.cpu_count()}|{speed}|{model}|{dtype}|B{batch_size}|vllm {vllm}"
     if cores is not None:  # measured with the other side's engine busy at once, each on its own cores
         raw += f"|{len(cores.split(','))} core(s) per engine, engines at once"
+    if mix is not None:
+        raw += f"|mix {mix_digest(mix)}"
     return raw + "|" + hashlib.sha256(raw.encode()).hexdigest()[:10]
 
 
@@ -255,6 +260,15 @@ def mix_shapes(chat_items: list[tuple[str, int]], deadline_items: list[tuple[str
         for calls in recs:
             shapes += [CallShape(max(1, o), rate / len(recs), prompt_tokens=max(1, i)) for i, o in calls]
     return shapes
+
+
+def mix_digest(shapes: Sequence[CallShape]) -> str:
+    """A short digest (10 hex digits) of the call shapes: every shape's ``max_tokens``, ``weight``,
+    ``prompt_tokens`` and text, in order."""
+    h = hashlib.sha256()
+    for sh in shapes:
+        h.update(f"{sh.max_tokens}|{sh.weight!r}|{sh.prompt_tokens}|{sh.text or ''}\n".encode())
+    return h.hexdigest()[:10]
 
 
 def mix_demand(shapes: list[CallShape]) -> float:

@@ -59,7 +59,7 @@ def resolve_capacity(opts: DemoOptions, url: str, dtype: str | None, shapes: lis
     is measured while theirs are as busy as in the phases; their own readings are not used (under a
     jitflow policy a reading measures the policy's admission and batch sizing as much as the engine).
     Raises :class:`DemoError` when the measurement fails."""
-    key = machine_key(opts.model, dtype, opts.batch_size, cores)
+    key = machine_key(opts.model, dtype, opts.batch_size, cores, mix=shapes)
     if opts.capacity_scale is not None:
         d = mix_demand(shapes)
         return Capacity(key, opts.capacity_scale * d, float("nan"), d, opts.capacity_scale, 0, 0.0,
