@@ -78,12 +78,13 @@ def test_capacity_cache_round_trip_and_corrupt_file(tmp_path):
     # an engine bound to one core is measured apart from one with vLLM's own binding
     assert machine_key("demo", "bfloat16", 32, "1") == machine_key("demo", "bfloat16", 32, "0") != key
     # the capacity is kept in units of the mix it was measured with: another mix is another measurement
+    # (its agent-task calls, from the pattern corpora); the chat prompts, drawn per seed, share one
     one = [CallShape(64, 0.4, text="Say hello."), CallShape(32, 0.1, prompt_tokens=300)]
     other = [CallShape(64, 0.4, text="Say hello."), CallShape(48, 0.1, prompt_tokens=300)]
     with_mix = machine_key("demo", "bfloat16", 32, mix=one)
     assert with_mix == machine_key("demo", "bfloat16", 32, mix=list(one)) != key
     assert with_mix != machine_key("demo", "bfloat16", 32, mix=other)
-    assert with_mix != machine_key("demo", "bfloat16", 32, mix=[CallShape(64, 0.4, text="Say hi.")] + one[1:])
+    assert with_mix == machine_key("demo", "bfloat16", 32, mix=[CallShape(80, 0.4, text="Say hi.")] + one[1:])
     assert load_cached(key, cache) is None
     cap = Capacity(key, 600.0, 0.05, 150.0, 4.0, 300, 20.0, "2026-11-25T00:00:00Z")
     save_cached(cap, cache)

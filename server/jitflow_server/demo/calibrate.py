@@ -147,8 +147,9 @@ def machine_key(model: str, dtype: str | None, batch_size: int, cores: str | Non
     """Cache key of a capacity measurement: CPU model, cores, speed flags, model, dtype, B, vLLM version,
     ``cores``, the cores the engine's compute threads were bound to (None: an unbound engine on every
     core, ``jitflow serve --cpu-engine single``), and ``mix``, the call shapes it was measured with (None:
-    left out of the key). The capacity is kept in units of the mix (its ``scale``), so a measurement of
-    another mix (other pattern corpora with ``--patterns``, other prompts) must not be reused."""
+    left out of the key; only :func:`mix_digest`'s part of them counts). The capacity is kept in units of
+    the mix (its ``scale``), so a measurement with other pattern corpora (``--patterns``) must not be
+    reused."""
     cpu, flags = "unknown-cpu", set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -263,11 +264,14 @@ def mix_shapes(chat_items: list[tuple[str, int]], deadline_items: list[tuple[str
 
 
 def mix_digest(shapes: Sequence[CallShape]) -> str:
-    """A short digest (10 hex digits) of the call shapes: every shape's ``max_tokens``, ``weight``,
-    ``prompt_tokens`` and text, in order."""
+    """A short digest (10 hex digits) of the mix's agent-task calls (the shapes without text: the pattern
+    corpora's calls, :func:`mix_shapes`), each call's ``max_tokens``, ``weight`` and ``prompt_tokens`` in
+    order. The chat and deadline prompts are left out: they are drawn per seed, and every seed of one
+    machine shares one measurement."""
     h = hashlib.sha256()
     for sh in shapes:
-        h.update(f"{sh.max_tokens}|{sh.weight!r}|{sh.prompt_tokens}|{sh.text or ''}\n".encode())
+        if sh.text is None:
+            h.update(f"{sh.max_tokens}|{sh.weight!r}|{sh.prompt_tokens}\n".encode())
     return h.hexdigest()[:10]
 
 
