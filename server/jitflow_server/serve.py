@@ -230,7 +230,8 @@ def register(app: typer.Typer) -> None:
             os.environ["JITFLOW_LENGTH_TELEMETRY"] = str(length_telemetry)
         if patterns:
             os.environ["JITFLOW_PATTERNS"] = os.pathsep.join(str(p) for p in patterns)
-        if compound_waiting.replace("-", "_") not in COMPOUND_WAITING:
+        compound_waiting = compound_waiting.replace("-", "_")  # the flag's spelling -> the setting's
+        if compound_waiting not in COMPOUND_WAITING:
             raise typer.BadParameter("choose sub-deadline or waiting-time", param_hint="--compound-waiting")
         name = served_name or (model if model in VARIANTS else path.name)
         urls = list(replica)
@@ -245,7 +246,7 @@ def register(app: typer.Typer) -> None:
         settings = ServerSettings(default_waiting_time=waiting_time, length_predictor=length_predictor,
                                   api_keys=keys, deadline_admission=deadline_admission,
                                   admission_safety=admission_safety, analyzer_budget=analyzer_budget,
-                                  compound_waiting=compound_waiting.replace("-", "_"))
+                                  compound_waiting=compound_waiting)
         if urls:
             from jitflow_server.engine.remote import RemoteEngine, RouterConfig
             from jitflow_server.scheduler.routing import ROUTER_NAMES

@@ -320,7 +320,8 @@ def register(bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of auto, {', '.join(LENGTH_MODES)}", param_hint="--length-bound")
         if analyzer not in ("pattern", "none"):
             raise typer.BadParameter(f"choose one of {ANALYZER_MODES[::2]}", param_hint="--analyzer")
-        if compound_waiting.replace("-", "_") not in COMPOUND_WAITING:
+        compound_waiting = compound_waiting.replace("-", "_")  # the flag's spelling -> the setting's
+        if compound_waiting not in COMPOUND_WAITING:
             raise typer.BadParameter("choose sub-deadline or waiting-time", param_hint="--compound-waiting")
         if admission not in ADMISSION_TEXT:
             raise typer.BadParameter(f"choose one of {', '.join(ADMISSION_TEXT)}", param_hint="--admission")
@@ -360,7 +361,7 @@ def register(bench_app: typer.Typer) -> None:
                 res = run_sim_bench(preset, pols, rps_list, requests, seed, data_dir, arrivals, mix, tightness,
                                     length_bound, analyzer, batch_size, waiting_time, length_scale, ablation, t_list,
                                     mix_list, sw_n, sweep_rps, gparams, prog, admission, age_boost, seeds,
-                                    sizes, trace, give_up, compound_waiting.replace("-", "_"))
+                                    sizes, trace, give_up, compound_waiting)
         except (WorkloadError, ValueError, FileNotFoundError) as e:
             raise typer.BadParameter(str(e)) from None
         command = "jitflow " + " ".join(sys.argv[1:]) if sys.argv and "jitflow" in sys.argv[0] else (
