@@ -171,3 +171,22 @@ def test_a_killed_replica_loses_no_queued_request_and_is_used_again_when_back(re
         routed = _stats(url)["replicas"][1]["routed"]
         assert [s for s, _ in _burst(url, 4, 16)] == [200] * 4
         assert _stats(url)["replicas"][1]["routed"] >= routed + 2
+
+
+def test_the_workload_capacity_run_counts_the_replicas_own_output_tokens(replicas, tmp_path):
+    """``bench replicas-real --load-basis workload`` sizes its load from one replica serving the workload
+    itself behind its front end, read from the replica's own ``vllm:generation_tokens_total``: over the
+    whole run the counter rises by exactly the output tokens of the replayed jobs (``ignore_eos``, nothing
+    rejected), and the rate over the window is positive."""
+    from jitflow_server.bench.replicas_real import workload_tok_s
+    from jitflow_server.bench.workload import make_workload
+
+    fast = replicas["fast"]
+    jobs = make_workload(16, 4.0, seed=5, length_scale=0.0625, max_context=2000)
+    cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--router", "goodput",
+           "--replica", fast.base_url, "--no-length-predictor"]
+    env = dict(os.environ, JITFLOW_HISTORY_DB=str(tmp_path / "capacity.sqlite"))
+    with running_server(cmd, tmp_path / "front.log", env, timeout=120) as (url, _proc):
+        rate, samples = workload_tok_s(url, "tiny", fast.base_url, jobs, None, settle_s=0.5, period_s=0.2)
+    assert samples[-1][1] - samples[0][1] == sum(j.total_tokens[1] for j in jobs)
+    assert rate > 0

@@ -81,12 +81,87 @@ def rps_for_load(load: float, replica_tok_s: float, sample: list) -> float:
     """Requests/s that offer ``load`` × ``replica_tok_s`` output tokens/s with jobs like ``sample`` (a
     list of :class:`~jitflow_server.engine.jobs.Job`; a compound job's tokens are all its calls'). The
     capacity is the replica's decode rate (B requests × 256 tokens, :func:`burst_tok_s`), so prefill is not
-    counted: a load of 1 is at or past what one replica finishes. Raises ``ValueError`` for an empty sample
-    or a non-positive load or rate."""
+    counted: a load of 1 is at or past what one replica finishes; with ``replica_tok_s`` from
+    :func:`workload_tok_s` it is the replica's rate on the workload itself. Raises ``ValueError`` for an
+    empty sample or a non-positive load or rate."""
     if not sample or load <= 0 or replica_tok_s <= 0:
         raise ValueError("load and replica_tok_s must be > 0 and the sample non-empty")
     per_job = sum(j.total_tokens[1] for j in sample) / len(sample)
     return load * replica_tok_s / max(per_job, 1.0)
+
+
+#: The capacity run of ``--load-basis workload``: seconds of arrivals, and the seconds after the first
+#: arrival before its counting window opens (the window ends at the last arrival).
+WORKLOAD_CAPACITY_S = 40.0
+WORKLOAD_SETTLE_S = 10.0
+#: Offered load of the capacity run as a multiple of the decode-basis load of 1: far enough past what one
+#: replica serves that its batch stays full through the window (at 3× on the decode basis one replica met
+#: only 0.49-0.57 of the requests, docs/benchmarks.md "Real replicas behind the router front end").
+WORKLOAD_CAPACITY_OVERLOAD = 4.0
+
+
+def counter_rate(samples: list[tuple[float, float]], t_from: float, t_to: float) -> float:
+    """Mean rise per second of a counter sampled as ``(time s, value)`` pairs (in time order) over
+    ``[t_from, t_to]``: from the last sample at or before ``t_from`` (else the first) to the first at or
+    after ``t_to`` (else the last). Raises ``ValueError`` when fewer than two samples, or none apart in
+    time, cover the window."""
+    if len(samples) < 2 or t_to <= t_from:
+        raise ValueError("need two counter samples and t_to > t_from")
+    before = [s for s in samples if s[0] <= t_from]
+    after = [s for s in samples if s[0] >= t_to]
+    (t0, v0), (t1, v1) = (before[-1] if before else samples[0]), (after[0] if after else samples[-1])
+    if t1 <= t0 or t1 < t_from or t0 > t_to:
+        raise ValueError("the counter samples do not cover the window")
+    return (v1 - v0) / (t1 - t0)
+
+
+def workload_tok_s(front_url: str, model_name: str, replica_url: str, jobs: list, waiting_time: float | None,
+                   settle_s: float = WORKLOAD_SETTLE_S, period_s: float = 1.0) -> tuple[float, list]:
+    """One replica's output tokens/s while it serves ``jobs`` (the workload itself, offered past its
+    capacity) through the front end at ``front_url``: the rise of the replica's own
+    ``vllm:generation_tokens_total`` (read from its ``/metrics`` every ``period_s`` s, each read stamped at
+    the middle of its round trip) from ``settle_s`` s after the first arrival to the last arrival. Unlike
+    :func:`burst_tok_s` this counts what the workload's calls cost: prefill of their prompts, the
+    prefix cache hits of a task's stages, their output lengths. Returns the rate and the samples
+    ``[(seconds from the first arrival, tokens)]``. Raises ``ValueError`` when the counter was not read
+    across the window, ``httpx.HTTPError`` from the replay."""
+    import threading
+
+    import httpx
+
+    from jitflow_server.bench.real import run_jobs_real
+    from jitflow_server.engine.replica_probe import GEN_TOKENS, read_vllm_metrics
+
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def read(client: httpx.Client) -> None:
+        t0 = time.time()
+        try:
+            v = read_vllm_metrics(client.get(replica_url + "/metrics").text).get(GEN_TOKENS)
+        except (httpx.HTTPError, ValueError):
+            return
+        if v is not None:
+            samples.append(((t0 + time.time()) / 2, v))
+
+    def sample() -> None:
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                read(client)
+                stop.wait(period_s)
+
+    reader = threading.Thread(target=sample, name="workload-capacity-metrics", daemon=True)
+    reader.start()
+    try:
+        res = run_jobs_real(front_url, model_name, jobs, waiting_time, 998)
+    finally:
+        stop.set()
+        reader.join(timeout=60)
+    with httpx.Client(timeout=30) as client:
+        read(client)  # after the last call: the samples span every token of the run
+    first = res["t_start"] + jobs[0].arrival
+    rel = [(t - first, v) for t, v in samples]
+    return counter_rate(rel, settle_s, jobs[-1].arrival - jobs[0].arrival), rel
 
 
 def _summary(per: dict[str, list[float]]) -> dict:
@@ -109,6 +184,10 @@ def register(bench_app: typer.Typer) -> None:
         rps: float = typer.Option(1.0, "--rps", min=0.01, help="Offered load (requests/s); see --load."),
         load: Optional[float] = typer.Option(None, "--load", min=0.01, help="Offered load as a multiple of one "
                                              "replica's measured output tok/s (overrides --rps)."),
+        load_basis: str = typer.Option("decode", "--load-basis", help="The output tok/s --load multiplies: "
+                                       "'decode' (one replica on B requests x 256 tokens) or 'workload' (one "
+                                       "replica behind its front end serving this workload itself, overloaded, "
+                                       "40 s of arrivals and their drain before the seeds)."),
         duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window (s)."),
         seeds: int = typer.Option(3, "--seeds", min=1),
         router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
@@ -130,6 +209,8 @@ def register(bench_app: typer.Typer) -> None:
         from jitflow_server.bench.sim_cli import resolve_data
         from jitflow_server.bench.workload import make_workload
 
+        if load_basis not in ("decode", "workload"):
+            raise typer.BadParameter("choose 'decode' or 'workload'", param_hint="--load-basis")
         core_list = [c.strip() for c in cores.split(",") if c.strip()]
         if len(core_list) < 2:
             raise typer.BadParameter("list at least two cores", param_hint="--cores")
@@ -156,11 +237,6 @@ def register(bench_app: typer.Typer) -> None:
             con.print(f"engine output tok/s, {batch_size} requests × 256 tokens: alone "
                       f"{[round(x) for x in engines['alone_tok_s']]}, side by side "
                       f"{[round(x) for x in engines['together_tok_s']]}")
-            if load is not None:
-                rps = rps_for_load(load, engines["alone_tok_s"][0], make_workload(
-                    LOAD_SAMPLE_JOBS, 1.0, data=ds, seed=999, length_scale=length_scale, max_context=8000,
-                    tightness=tightness))
-                con.print(f"load {load:g}× one replica's {engines['alone_tok_s'][0]:.0f} output tok/s: {rps:.2f} req/s")
             for name, members in (("one", reps[:1]), ("pool", reps)):
                 sub = out / name
                 sub.mkdir(parents=True, exist_ok=True)
@@ -168,6 +244,26 @@ def register(bench_app: typer.Typer) -> None:
                 urls = [a for r in members for a in ("--replica", r.base_url)]
                 fronts[name] = BenchServer(model, "gmax", batch_size, None, [*args, *urls, "--router", router],
                                            log_path=sub / "front.log", env=env).__enter__()
+            if load is not None:
+                sample = make_workload(LOAD_SAMPLE_JOBS, 1.0, data=ds, seed=999, length_scale=length_scale,
+                                       max_context=8000, tightness=tightness)
+                basis_tok_s = engines["alone_tok_s"][0]
+                if load_basis == "workload":
+                    cal_rps = WORKLOAD_CAPACITY_OVERLOAD * rps_for_load(1.0, basis_tok_s, sample)
+                    cal = make_workload(max(2, int(round(WORKLOAD_CAPACITY_S * cal_rps))), cal_rps, data=ds,
+                                        seed=998, length_scale=length_scale, max_context=8000,
+                                        tightness=tightness)
+                    con.print(f"measuring one replica on the workload itself: {cal_rps:.2f} req/s for "
+                              f"{WORKLOAD_CAPACITY_S:g} s of arrivals ...")
+                    one = fronts["one"]
+                    basis_tok_s, samples = workload_tok_s(one.base_url, one.model_name, reps[0].base_url, cal,
+                                                          waiting_time or None)
+                    one.wait_idle()
+                    engines["workload_tok_s"], engines["workload_samples"] = basis_tok_s, samples
+                    engines["workload_capacity_rps"] = cal_rps
+                rps = rps_for_load(load, basis_tok_s, sample)
+                con.print(f"load {load:g}× one replica's {basis_tok_s:.0f} output tok/s ({load_basis}): "
+                          f"{rps:.2f} req/s")
             if warmup > 0:
                 warm = make_workload(max(1, int(round(warmup * rps))), rps, data=ds, seed=1000,
                                      length_scale=length_scale, max_context=8000, tightness=tightness)
@@ -199,7 +295,7 @@ def register(bench_app: typer.Typer) -> None:
                               f"{m['request_goodput']:.3f} req/s, attainment {m['slo_attainment']:.2f}, "
                               f"routed {m['routed']}, CPU s front end {m['front_end_cpu_s']:.0f}, load "
                               f"generator {m['load_generator_cpu_s']:.0f} of {m['wall_s']:.0f} s")
-        except (EngineBenchError, ServerStartError, httpx.HTTPError) as exc:
+        except (EngineBenchError, ServerStartError, httpx.HTTPError, ValueError) as exc:
             con.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(1) from None
         finally:
@@ -210,6 +306,7 @@ def register(bench_app: typer.Typer) -> None:
         ratio = {k: [p[k] / o[k] if o[k] else float("nan") for p, o in zip(runs["pool"], runs["one"])]
                  for k in ("token_goodput", "request_goodput", "throughput")}
         res = {"config": {"model": model, "cores": core_list, "batch_size": batch_size, "rps": rps, "load": load,
+                          "load_basis": load_basis if load is not None else None,
                           "duration": duration, "seeds": seeds, "router": router, "length_scale": length_scale,
                           "tightness": tightness, "waiting_time": waiting_time, "data": ds.origin,
                           "command": " ".join(["jitflow", "bench", "replicas-real", *sys.argv[3:]])},
@@ -232,12 +329,16 @@ def _markdown(res: dict) -> str:
     lines = [f"# {len(c['cores'])} real replicas (one core each) behind the router vs one replica",
              "", f"`{c['command']}`", "",
              f"Model {c['model']}, B={c['batch_size']}, {c['rps']:.2f} req/s"
-             + (f" ({c['load']:g}× one replica's output tok/s)" if c.get("load") else "")
+             + (f" ({c['load']:g}× one replica's output tok/s, {c.get('load_basis') or 'decode'} basis)"
+                if c.get("load") else "")
              + f" for {c['duration']:g} s, router "
              f"{c['router']}, seeds 0–{c['seeds'] - 1}.", "",
              f"Engines alone (output tok/s, B requests × 256 tokens, no front end): "
              f"{[round(x) for x in res['engines'].get('alone_tok_s', [])]}; side by side: "
-             f"{[round(x) for x in res['engines'].get('together_tok_s', [])]}.", "",
+             f"{[round(x) for x in res['engines'].get('together_tok_s', [])]}."
+             + (f" One replica on the workload itself (overloaded, behind its front end): "
+                f"{res['engines']['workload_tok_s']:.0f} output tok/s." if "workload_tok_s" in res["engines"]
+                else ""), "",
              "| seed | one: token goodput | pool: token goodput | one: request goodput | pool: request goodput "
              "| pool routed per replica | CPU s of front end + load generator (one; pool) "
              "| pool routing decision µs P50 / P99: wall; CPU |",
