@@ -104,3 +104,55 @@ def test_no_references_to_work_notes():
                                       ("the paper's design", False)])
 def test_work_note_pattern(text, hit):
     assert bool(WORK_NOTES.search(text)) is hit
+
+
+#: A pointer to a section of another document: ``docs/scheduling-experiments.md, "Free pauses"`` (comma and
+#: ``docs/`` optional, across a line break too). The quoted text must begin a heading or a bold lead-in of
+#: that file.
+SECTION_REF = re.compile(r'(?:docs/)?([A-Za-z-]+)\.md`?,?\s*["“]([^"”\n]{3,120}(?:\n[^"”\n]{1,120})?)["”]')
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.replace("`", "").split()).lower()
+
+
+def _sections(md: Path) -> list[str]:
+    """Headings and bold lead-ins of ``md``, normalised: the places a reference may name."""
+    text = md.read_text(encoding="utf-8")
+    heads = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    return [_norm(s) for s in heads + re.findall(r"\*\*([^*]{3,200})\*\*", text)]
+
+
+def _dangling_section_refs(files) -> list[str]:
+    found, cache = [], {}
+    for p in files:
+        text = p.read_text(encoding="utf-8")
+        for m in SECTION_REF.finditer(text):
+            target = REPO / "docs" / f"{m.group(1)}.md"
+            if m.group(1) == "README":
+                target = REPO / "README.md"
+            if not target.exists():
+                continue  # a report file or another project's document
+            if target not in cache:
+                cache[target] = _sections(target)
+            name = _norm(m.group(2))
+            if not any(s.startswith(name) or (len(name) > 12 and name in s) for s in cache[target]):
+                line = text.count("\n", 0, m.start()) + 1
+                found.append(f"{p.relative_to(REPO)}:{line}: {m.group(1)}.md \"{' '.join(m.group(2).split())}\"")
+    return found
+
+
+def test_section_references_resolve():
+    """Every ``FILE.md, "Section"`` pointer in code and docs names a heading or bold lead-in that exists in
+    that file, so moving or renaming a section cannot strand its readers."""
+    dangling = _dangling_section_refs(_text_files())
+    assert not dangling, "\n".join(dangling)
+
+
+def test_section_reference_check_sees_a_stale_pointer(tmp_path, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.md").write_text("# Guide\n\n## Routing\n\n**Faults.** text\n")
+    src = tmp_path / "a.py"
+    src.write_text('# see docs/guide.md, "Routing" and docs/guide.md "Faults"\n# docs/guide.md, "Gone"\n')
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert _dangling_section_refs([src]) == ['a.py:2: guide.md "Gone"']

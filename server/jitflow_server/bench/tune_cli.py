@@ -13,7 +13,7 @@ on 600-request workloads (a one- to five-minute overload) pausing deadline and c
 raised GMAX's token ratio from 0.90 to 0.94 (``a100-llama8b``, 2 req/s) and from 0.94 to 1.24
 (``cpu-demo-avx512``, 10 req/s); on 3 000-request workloads of the same seeds it lowered them (0.89 /
 0.93 against 0.89 / 0.96 token / request, and 0.98 / 0.99 against 1.04 / 1.01), as on every evaluation
-workload (docs/scheduling.md, "Free pauses for deadline and compound work").
+workload (docs/scheduling-experiments.md, "Free pauses for deadline and compound work").
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ class GMAXParams:
       admission control or given up on fails the task and wastes what its siblings were served (on the
       tuning seeds most of the tree-of-thoughts tasks GMAX lost were lost that way, in their fan-out stage).
       Not the default: +2 % tokens and −1 % requests in the simulator, but on the real CPU engine (the
-      demo's burst) chat attainment fell from 0.73–0.78 to 0.37–0.52 (docs/scheduling.md).
+      demo's burst) chat attainment fell from 0.73–0.78 to 0.37–0.52 (docs/scheduling-experiments.md,
+      "Finishing a stage that has begun").
     - ``compound_admit`` ["member"]: how a waiting compound call is priced in the last moments before
       admission control would reject it (``admit_by`` within the JIT horizon). "group": like its stage
       group (``compound_priority``); "member": when a sibling of the stage has started, on its own
