@@ -175,18 +175,30 @@ def test_a_killed_replica_loses_no_queued_request_and_is_used_again_when_back(re
 
 def test_the_workload_capacity_run_counts_the_replicas_own_output_tokens(replicas, tmp_path):
     """``bench replicas-real --load-basis workload`` sizes its load from one replica serving the workload
-    itself behind its front end, read from the replica's own ``vllm:generation_tokens_total``: over the
-    whole run the counter rises by exactly the output tokens of the replayed jobs (``ignore_eos``, nothing
-    rejected), and the rate over the window is positive."""
+    itself behind its front end, in a closed loop, read from the replica's own
+    ``vllm:generation_tokens_total``: over the whole run the counter rises by exactly the output tokens of
+    the jobs the loop started (``ignore_eos``, nothing refused), the loop stops starting jobs after its
+    time, and the rate over the window is positive."""
     from jitflow_server.bench.replicas_real import workload_tok_s
     from jitflow_server.bench.workload import make_workload
 
     fast = replicas["fast"]
-    jobs = make_workload(16, 4.0, seed=5, length_scale=0.0625, max_context=2000)
+    jobs = make_workload(400, 1.0, seed=5, length_scale=0.0625, max_context=2000)
     cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--router", "goodput",
            "--replica", fast.base_url, "--no-length-predictor"]
     env = dict(os.environ, JITFLOW_HISTORY_DB=str(tmp_path / "capacity.sqlite"))
     with running_server(cmd, tmp_path / "front.log", env, timeout=120) as (url, _proc):
-        rate, samples = workload_tok_s(url, "tiny", fast.base_url, jobs, None, settle_s=0.5, period_s=0.2)
-    assert samples[-1][1] - samples[0][1] == sum(j.total_tokens[1] for j in jobs)
+        rate, samples = workload_tok_s(url, "tiny", fast.base_url, jobs, 4, seconds=4.0, settle_s=1.0,
+                                       period_s=0.2)
+    started = samples[-1][1] - samples[0][1]
+    assert 0 < started < sum(j.total_tokens[1] for j in jobs)  # it stopped starting jobs, with most of the 400 never started
+    assert started in _prefix_sums(jobs)  # the first k jobs, all finished, for some k
     assert rate > 0
+
+
+def _prefix_sums(jobs) -> set[int]:
+    out, acc = set(), 0
+    for j in jobs:
+        acc += j.total_tokens[1]
+        out.add(acc)
+    return out

@@ -119,7 +119,7 @@ def task_key(run_id: str, job_id: str) -> str:
 
 
 def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], waiting_time: float | None = DEFAULT_WAITING_TIME_S, seed: int = 0,
-                  progress=None) -> dict:
+                  progress=None, closed_loop: tuple[int, float] | None = None) -> dict:
     """Replay ``jobs`` (arrival s from now) against the server; returns ``{"jobs": [records], "makespan",
     "t_start", "errors"}`` with records shaped like the simulator's (see :mod:`jitflow_server.bench.metrics`).
 
@@ -129,8 +129,12 @@ def run_jobs_real(base_url: str, model_name: str, jobs: list[Job], waiting_time:
     store stays what it was loaded with and every policy of a run is matched against the same history.
     A call answered 429 (not admitted within ``waiting_time``) fails its job; a compound task then
     cancels its other calls.
+
+    ``closed_loop=(n, seconds)`` ignores the arrival times instead: ``n`` jobs are kept in flight, in list
+    order, each starting when one ends, and no job starts after ``seconds``; the jobs never started have
+    no record. That keeps an engine busy on the workload's own calls without a queue that grows.
     """
-    return asyncio.run(_run_jobs(base_url, model_name, jobs, waiting_time, seed, progress))
+    return asyncio.run(_run_jobs(base_url, model_name, jobs, waiting_time, seed, progress, closed_loop))
 
 
 def _record(job: Job, summ: dict | None, input_tokens: int) -> dict:
@@ -146,7 +150,7 @@ def _record(job: Job, summ: dict | None, input_tokens: int) -> dict:
             "preemptions": 0, "calls": 1}
 
 
-async def _run_jobs(base_url, model_name, jobs, waiting_time, seed, progress) -> dict:
+async def _run_jobs(base_url, model_name, jobs, waiting_time, seed, progress, closed_loop=None) -> dict:
     import httpx
 
     rng = np.random.default_rng(seed)
@@ -171,8 +175,16 @@ async def _run_jobs(base_url, model_name, jobs, waiting_time, seed, progress) ->
                 errors.append(f"{job.job_id}.{s}.{j}: HTTP {code} {str(resp)[:200]}")
             return False, None, c
 
-        async def run_job(job: Job) -> dict:
-            await asyncio.sleep(max(0.0, t_start + job.arrival - time.time()))
+        async def run_job(job: Job) -> dict | None:
+            if closed_loop is None:
+                await asyncio.sleep(max(0.0, t_start + job.arrival - time.time()))
+                return await serve_job(job)
+            async with slots:
+                if time.time() - t_start > closed_loop[1]:
+                    return None
+                return await serve_job(job)
+
+        async def serve_job(job: Job) -> dict:
             t0 = time.time()
             if job.kind in ("latency", "deadline"):
                 slo = ({"kind": "latency", "ttft": job.ttft, "tbt": job.tbt} if job.kind == "latency"
@@ -227,5 +239,9 @@ async def _run_jobs(base_url, model_name, jobs, waiting_time, seed, progress) ->
                     "e2el": (end - t0) if (end is not None and not failed) else None, "rejected": rejected,
                     "preemptions": 0, "calls": job.n_calls}
 
+        slots = asyncio.Semaphore(closed_loop[0] if closed_loop else 1)
+        if closed_loop:
+            await asyncio.sleep(max(0.0, t_start - time.time()))
         recs = await asyncio.gather(*(run_job(j) for j in jobs))
-    return {"jobs": list(recs), "makespan": time.time() - t_start, "t_start": t_start, "errors": errors}
+    return {"jobs": [r for r in recs if r is not None], "makespan": time.time() - t_start, "t_start": t_start,
+            "errors": errors}

@@ -90,14 +90,10 @@ def rps_for_load(load: float, replica_tok_s: float, sample: list) -> float:
     return load * replica_tok_s / max(per_job, 1.0)
 
 
-#: The capacity run of ``--load-basis workload``: seconds of arrivals, and the seconds after the first
-#: arrival before its counting window opens (the window ends at the last arrival).
+#: The capacity run of ``--load-basis workload``: seconds of the closed loop, and the seconds after its
+#: start before the counting window opens (the window ends when the loop stops starting jobs).
 WORKLOAD_CAPACITY_S = 40.0
 WORKLOAD_SETTLE_S = 10.0
-#: Offered load of the capacity run as a multiple of the decode-basis load of 1: far enough past what one
-#: replica serves that its batch stays full through the window (at 3× on the decode basis one replica met
-#: only 0.49-0.57 of the requests, docs/benchmarks.md "Real replicas behind the router front end").
-WORKLOAD_CAPACITY_OVERLOAD = 4.0
 
 
 def counter_rate(samples: list[tuple[float, float]], t_from: float, t_to: float) -> float:
@@ -115,16 +111,19 @@ def counter_rate(samples: list[tuple[float, float]], t_from: float, t_to: float)
     return (v1 - v0) / (t1 - t0)
 
 
-def workload_tok_s(front_url: str, model_name: str, replica_url: str, jobs: list, waiting_time: float | None,
-                   settle_s: float = WORKLOAD_SETTLE_S, period_s: float = 1.0) -> tuple[float, list]:
-    """One replica's output tokens/s while it serves ``jobs`` (the workload itself, offered past its
-    capacity) through the front end at ``front_url``: the rise of the replica's own
-    ``vllm:generation_tokens_total`` (read from its ``/metrics`` every ``period_s`` s, each read stamped at
-    the middle of its round trip) from ``settle_s`` s after the first arrival to the last arrival. Unlike
-    :func:`burst_tok_s` this counts what the workload's calls cost: prefill of their prompts, the
-    prefix cache hits of a task's stages, their output lengths. Returns the rate and the samples
-    ``[(seconds from the first arrival, tokens)]``. Raises ``ValueError`` when the counter was not read
-    across the window, ``httpx.HTTPError`` from the replay."""
+def workload_tok_s(front_url: str, model_name: str, replica_url: str, jobs: list, in_flight: int,
+                   seconds: float = WORKLOAD_CAPACITY_S, settle_s: float = WORKLOAD_SETTLE_S,
+                   period_s: float = 1.0) -> tuple[float, list]:
+    """One replica's output tokens/s while it serves the workload itself through the front end at
+    ``front_url``: ``jobs`` run in a closed loop, ``in_flight`` at a time in list order, for ``seconds``
+    (no admission waiting time: nothing is refused, and no queue grows), and the rate is the rise of the
+    replica's own ``vllm:generation_tokens_total`` (read from its ``/metrics`` every ``period_s`` s, each
+    read stamped at the middle of its round trip) from ``settle_s`` to ``seconds`` after the start. Unlike
+    :func:`burst_tok_s` this counts what the workload's calls cost: the prefill of their prompts, the
+    prefix-cache hits of a task's stages, their output lengths. An open-loop overload is not used: at 4×
+    the decode-basis load one replica thrashed (prompt tokens 425–700/s, output 52–76/s in vLLM's own log,
+    2026-12-07). Returns the rate and the samples ``[(seconds from the start, tokens)]``. Raises
+    ``ValueError`` when the counter was not read across the window, ``httpx.HTTPError`` from the replay."""
     import threading
 
     import httpx
@@ -153,15 +152,14 @@ def workload_tok_s(front_url: str, model_name: str, replica_url: str, jobs: list
     reader = threading.Thread(target=sample, name="workload-capacity-metrics", daemon=True)
     reader.start()
     try:
-        res = run_jobs_real(front_url, model_name, jobs, waiting_time, 998)
+        res = run_jobs_real(front_url, model_name, jobs, None, 998, closed_loop=(in_flight, seconds))
     finally:
         stop.set()
         reader.join(timeout=60)
     with httpx.Client(timeout=30) as client:
         read(client)  # after the last call: the samples span every token of the run
-    first = res["t_start"] + jobs[0].arrival
-    rel = [(t - first, v) for t, v in samples]
-    return counter_rate(rel, settle_s, jobs[-1].arrival - jobs[0].arrival), rel
+    rel = [(t - res["t_start"], v) for t, v in samples]
+    return counter_rate(rel, settle_s, seconds), rel
 
 
 def _summary(per: dict[str, list[float]]) -> dict:
@@ -186,8 +184,8 @@ def register(bench_app: typer.Typer) -> None:
                                              "replica's measured output tok/s (overrides --rps)."),
         load_basis: str = typer.Option("decode", "--load-basis", help="The output tok/s --load multiplies: "
                                        "'decode' (one replica on B requests x 256 tokens) or 'workload' (one "
-                                       "replica behind its front end serving this workload itself, overloaded, "
-                                       "40 s of arrivals and their drain before the seeds)."),
+                                       "replica behind its front end serving this workload itself, 2·B jobs "
+                                       "in flight for 40 s, before the seeds)."),
         duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window (s)."),
         seeds: int = typer.Option(3, "--seeds", min=1),
         router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
@@ -249,18 +247,13 @@ def register(bench_app: typer.Typer) -> None:
                                        max_context=8000, tightness=tightness)
                 basis_tok_s = engines["alone_tok_s"][0]
                 if load_basis == "workload":
-                    cal_rps = WORKLOAD_CAPACITY_OVERLOAD * rps_for_load(1.0, basis_tok_s, sample)
-                    cal = make_workload(max(2, int(round(WORKLOAD_CAPACITY_S * cal_rps))), cal_rps, data=ds,
-                                        seed=998, length_scale=length_scale, max_context=8000,
-                                        tightness=tightness)
-                    con.print(f"measuring one replica on the workload itself: {cal_rps:.2f} req/s for "
-                              f"{WORKLOAD_CAPACITY_S:g} s of arrivals ...")
+                    con.print(f"measuring one replica on the workload itself: {2 * batch_size} jobs in flight "
+                              f"for {WORKLOAD_CAPACITY_S:g} s ...")
                     one = fronts["one"]
-                    basis_tok_s, samples = workload_tok_s(one.base_url, one.model_name, reps[0].base_url, cal,
-                                                          waiting_time or None)
+                    basis_tok_s, samples = workload_tok_s(one.base_url, one.model_name, reps[0].base_url, sample,
+                                                          2 * batch_size)
                     one.wait_idle()
                     engines["workload_tok_s"], engines["workload_samples"] = basis_tok_s, samples
-                    engines["workload_capacity_rps"] = cal_rps
                 rps = rps_for_load(load, basis_tok_s, sample)
                 con.print(f"load {load:g}× one replica's {basis_tok_s:.0f} output tok/s ({load_basis}): "
                           f"{rps:.2f} req/s")
@@ -336,7 +329,7 @@ def _markdown(res: dict) -> str:
              f"Engines alone (output tok/s, B requests × 256 tokens, no front end): "
              f"{[round(x) for x in res['engines'].get('alone_tok_s', [])]}; side by side: "
              f"{[round(x) for x in res['engines'].get('together_tok_s', [])]}."
-             + (f" One replica on the workload itself (overloaded, behind its front end): "
+             + (f" One replica on the workload itself (2·B jobs in flight, behind its front end): "
                 f"{res['engines']['workload_tok_s']:.0f} output tok/s." if "workload_tok_s" in res["engines"]
                 else ""), "",
              "| seed | one: token goodput | pool: token goodput | one: request goodput | pool: request goodput "
