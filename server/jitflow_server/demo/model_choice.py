@@ -5,7 +5,7 @@ tokens at a full batch, prompts at 0.5-0.7 ms per token). On a CPU without nativ
 float32 and, on a 2-core AMD EPYC with AVX2 only, the ``demo`` model computed prompts at 1.6 ms per token
 and full-batch steps took 0.47 s on the demo's mix: the SLOs then had to be stretched ×3.8, which made
 the burst light (stock vLLM met nearly every SLO, so no schedule could do much better) and the run
-10 minutes long (docs/benchmarks.md, "On a slower machine"). There the ``demo-small`` variant (hidden
+10 minutes long (docs/benchmarks-history.md, "On a slower machine"). There the ``demo-small`` variant (hidden
 512, a quarter of the compute per token) runs at 0.52 ms per prompt token and 28 ms per batch-32 decode
 step, about what the ``demo`` model does on the faster machines, so the demo keeps its SLOs nearly as
 set. The text is noise either way (random weights); what the demo measures is scheduling.
