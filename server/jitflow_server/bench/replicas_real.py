@@ -122,7 +122,10 @@ def workload_tok_s(front_url: str, model_name: str, replica_url: str, jobs: list
     :func:`burst_tok_s` this counts what the workload's calls cost: the prefill of their prompts, the
     prefix-cache hits of a task's stages, their output lengths. An open-loop overload is not used: at 4×
     the decode-basis load one replica thrashed (prompt tokens 425–700/s, output 52–76/s in vLLM's own log,
-    2026-12-07). Returns the rate and the samples ``[(seconds from the start, tokens)]``. Raises
+    2026-12-07). It reads below what the arrival mix sustains: a closed loop holds more of the long,
+    prompt-heavy jobs in flight than arrive, since each stays longer, and one replica met 0.89-0.98 of
+    its SLOs at 3x this rate (40 s of arrivals, SLOs x2; docs/benchmarks.md, "Real replicas behind the
+    router front end"). Returns the rate and the samples ``[(seconds from the start, tokens)]``. Raises
     ``ValueError`` when the counter was not read across the window, ``httpx.HTTPError`` from the replay."""
     import threading
 
@@ -185,7 +188,8 @@ def register(bench_app: typer.Typer) -> None:
         load_basis: str = typer.Option("decode", "--load-basis", help="The output tok/s --load multiplies: "
                                        "'decode' (one replica on B requests x 256 tokens) or 'workload' (one "
                                        "replica behind its front end serving this workload itself, 2·B jobs "
-                                       "in flight for 40 s, before the seeds)."),
+                                       "in flight for 40 s, before the seeds; it reads below what the arrival mix sustains, see "
+                                       "docs/benchmarks.md)."),
         duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window (s)."),
         seeds: int = typer.Option(3, "--seeds", min=1),
         router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
