@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 
 import httpx
 import pytest
@@ -48,9 +49,10 @@ def replicas(tmp_path_factory):
             reps[k].stop()
 
 
-def _router(reps, router: str, log, *extra: str):
-    cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--router", router,
-           "--replica", reps["fast"].base_url, "--replica", reps["slow"].base_url, "--no-length-predictor", *extra]
+def _router(reps, router: str, log, *extra: str, members: tuple[str, ...] = ("fast", "slow")):
+    urls = [a for k in members for a in ("--replica", reps[k].base_url)]
+    cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--router", router, *urls,
+           "--no-length-predictor", *extra]
     return running_server(cmd, log, dict(os.environ, JITFLOW_HISTORY_DB=str(log.parent / f"{router}.sqlite")),
                           timeout=120)
 
@@ -182,23 +184,11 @@ def test_the_workload_capacity_run_counts_the_replicas_own_output_tokens(replica
     from jitflow_server.bench.replicas_real import workload_tok_s
     from jitflow_server.bench.workload import make_workload
 
-    fast = replicas["fast"]
     jobs = make_workload(400, 1.0, seed=5, length_scale=0.0625, max_context=2000)
-    cmd = [jitflow_exe(), "serve", "--model", "tiny", "--port", str(free_port()), "--router", "goodput",
-           "--replica", fast.base_url, "--no-length-predictor"]
-    env = dict(os.environ, JITFLOW_HISTORY_DB=str(tmp_path / "capacity.sqlite"))
-    with running_server(cmd, tmp_path / "front.log", env, timeout=120) as (url, _proc):
-        rate, samples = workload_tok_s(url, "tiny", fast.base_url, jobs, 4, seconds=4.0, settle_s=1.0,
-                                       period_s=0.2)
+    with _router(replicas, "goodput", tmp_path / "front.log", members=("fast",)) as (url, _proc):
+        rate, samples = workload_tok_s(url, "tiny", replicas["fast"].base_url, jobs, 4, seconds=4.0,
+                                       settle_s=1.0, period_s=0.2)
     started = samples[-1][1] - samples[0][1]
     assert 0 < started < sum(j.total_tokens[1] for j in jobs)  # it stopped starting jobs, with most of the 400 never started
-    assert started in _prefix_sums(jobs)  # the first k jobs, all finished, for some k
+    assert started in set(accumulate(j.total_tokens[1] for j in jobs))  # the first k jobs, all finished, for some k
     assert rate > 0
-
-
-def _prefix_sums(jobs) -> set[int]:
-    out, acc = set(), 0
-    for j in jobs:
-        acc += j.total_tokens[1]
-        out.add(acc)
-    return out

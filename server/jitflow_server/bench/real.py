@@ -176,7 +176,7 @@ async def _run_jobs(base_url, model_name, jobs, waiting_time, seed, progress, cl
             return False, None, c
 
         async def run_job(job: Job) -> dict | None:
-            if closed_loop is None:
+            if slots is None:
                 await asyncio.sleep(max(0.0, t_start + job.arrival - time.time()))
                 return await serve_job(job)
             async with slots:
@@ -239,8 +239,8 @@ async def _run_jobs(base_url, model_name, jobs, waiting_time, seed, progress, cl
                     "e2el": (end - t0) if (end is not None and not failed) else None, "rejected": rejected,
                     "preemptions": 0, "calls": job.n_calls}
 
-        slots = asyncio.Semaphore(closed_loop[0] if closed_loop else 1)
-        if closed_loop:
+        slots = asyncio.Semaphore(closed_loop[0]) if closed_loop else None  # None: by arrival time
+        if slots is not None:
             await asyncio.sleep(max(0.0, t_start - time.time()))
         recs = await asyncio.gather(*(run_job(j) for j in jobs))
     return {"jobs": [r for r in recs if r is not None], "makespan": time.time() - t_start, "t_start": t_start,

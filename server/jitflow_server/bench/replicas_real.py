@@ -188,8 +188,8 @@ def register(bench_app: typer.Typer) -> None:
         load_basis: str = typer.Option("decode", "--load-basis", help="The output tok/s --load multiplies: "
                                        "'decode' (one replica on B requests x 256 tokens) or 'workload' (one "
                                        "replica behind its front end serving this workload itself, 2·B jobs "
-                                       "in flight for 40 s, before the seeds; it reads below what the arrival mix sustains, see "
-                                       "docs/benchmarks.md)."),
+                                       f"in flight for {WORKLOAD_CAPACITY_S:g} s, before the seeds; it reads "
+                                       "below what the arrival mix sustains, see docs/benchmarks.md)."),
         duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window (s)."),
         seeds: int = typer.Option(3, "--seeds", min=1),
         router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
