@@ -24,6 +24,21 @@ def test_a_bad_policy_parameter_is_a_usage_error_naming_param(command, param, me
     assert "--param" in text and message in text
 
 
+@pytest.mark.parametrize("command", ["serve", "vllm-serve"])
+@pytest.mark.parametrize(("args", "hint", "message"), [
+    (["--policy", "no-such-policy"], "--policy", "choose one of"),
+    (["--policy", "oracle"], "--policy", "choose one of"),  # simulator-only: needs the true lengths
+    (["--model", "/nonexistent/model-dir"], "--model", "/nonexistent/model-dir"),
+])
+def test_a_policy_no_engine_runs_or_a_missing_model_is_a_usage_error(command, args, hint, message):
+    r = CliRunner().invoke(app, [command, "--model", "tiny", *args])
+    text = cli_text(r.output)
+    assert r.exit_code == 2, text
+    assert hint in text and message in text
+    if hint == "--policy":
+        assert "gmax" in text and "oracle" not in text.split("choose one of", 1)[1]
+
+
 def test_parameter_values_parse_as_json_or_infinity_else_stay_strings():
     from jitflow_server.bench.tune_cli import parse_grid
     from jitflow_server.serve import check_policy_params, parse_params

@@ -101,6 +101,21 @@ def served_policies() -> list[str]:
     return [p for p in POLICY_NAMES if p not in SIMULATOR_ONLY]
 
 
+def served_policy_and_model(policy: str, param: list[str], model: str) -> tuple[dict, Path]:
+    """What ``serve`` and ``vllm-serve`` check first: ``policy`` runs on a real engine, its ``--param``
+    options (parsed, :func:`checked_params`) and the model directory ``model`` names. Raises
+    ``typer.BadParameter`` naming ``--policy``, ``--param`` or ``--model``."""
+    from jitflow_server.engine.demo_model import resolve_model
+
+    if policy not in served_policies():
+        raise typer.BadParameter(f"choose one of {served_policies()}", param_hint="--policy")
+    params = checked_params(policy, param)
+    try:
+        return params, resolve_model(model)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from None
+
+
 def register(app: typer.Typer) -> None:
     """Attach ``serve`` and ``vllm-serve`` to ``app``."""
 
@@ -186,7 +201,6 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from jitflow_server.api.app import ServerSettings, create_app
-        from jitflow_server.engine.demo_model import resolve_model
         from jitflow_server.engine.reaper import exit_with_parent, private_rpc_dir, start_orphan_reaper
         from jitflow_server.engine.vllm_engine import (
             CPU_ENGINES,
@@ -195,8 +209,6 @@ def register(app: typer.Typer) -> None:
             EngineConfig,
             VLLMEngine,
         )
-        from jitflow_server.scheduler import POLICY_NAMES
-        from jitflow_server.scheduler.hints import SIMULATOR_ONLY
         from jitflow_server.settings import env_settings
 
         if dtype not in DTYPES:
@@ -217,13 +229,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of {list(CPU_ENGINES)}", param_hint="--cpu-engine")
         if engine != "vllm":
             raise typer.BadParameter("only the embedded 'vllm' engine is supported", param_hint="--engine")
-        if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
-            raise typer.BadParameter(f"choose one of {served_policies()}", param_hint="--policy")
-        params = checked_params(policy, param)
-        try:
-            path = resolve_model(model)
-        except FileNotFoundError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--model") from None
+        params, path = served_policy_and_model(policy, param, model)
         if history_db is not None:
             os.environ["JITFLOW_HISTORY_DB"] = str(history_db)
         if length_telemetry is not None:
@@ -307,19 +313,10 @@ def register(app: typer.Typer) -> None:
         import os
         import sys
 
-        from jitflow_server.engine.demo_model import resolve_model
         from jitflow_server.engine.reaper import private_rpc_dir, start_orphan_reaper
         from jitflow_server.engine.vllm_engine import PLUGIN_CLS, engine_dtype, kv_cache_gib_for
-        from jitflow_server.scheduler import POLICY_NAMES
-        from jitflow_server.scheduler.hints import SIMULATOR_ONLY
 
-        if policy not in POLICY_NAMES or policy in SIMULATOR_ONLY:
-            raise typer.BadParameter(f"choose one of {served_policies()}", param_hint="--policy")
-        params = checked_params(policy, param)
-        try:
-            path = resolve_model(model)
-        except FileNotFoundError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--model") from None
+        params, path = served_policy_and_model(policy, param, model)
         extra = {"jitflow": {"policy": policy, "params": params, "batch_size": batch_size}}
         dtype = engine_dtype()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
