@@ -307,6 +307,28 @@ def evaluate(
     return res
 
 
+def _label(ax: Any, xlabel: str, ylabel: str, title: str | None = None, log_x: bool = False) -> None:
+    """Axis labels, an optional title, a log x axis, the legend and a light grid on one of the report's plots."""
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    """Lay out, write (120 dpi) and close ``fig``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_report(res: dict[str, Any], out: Path, command: str) -> list[Path]:
     """Write ``pattern_eval.json``, ``pattern_eval.md`` and the plots into ``out``; returns the paths."""
     import matplotlib
@@ -330,22 +352,10 @@ def write_report(res: dict[str, Any], out: Path, command: str) -> list[Path]:
         a2.plot(sizes, [r[strat]["relerr_accumulated_mean"] for r in sw], marker=mk, label=f"{strat}, best match")
     a2.plot(sizes, [r["exhaustive"]["relerr_accumulated_top10_mean"] for r in sw], marker="^", ls="--",
             label="exhaustive, top-10 ensemble")
-    a1.set_xscale("log")
-    a1.set_xlabel("history size (graphs)")
-    a1.set_ylabel("matching latency (ms)")
-    a1.legend(fontsize=8)
-    a1.grid(alpha=0.3)
-    a2.set_xscale("log")
-    a2.set_xlabel("history size (graphs)")
-    a2.set_ylabel("mean relative error of φ(current stage)")
-    a2.legend(fontsize=8)
-    a2.grid(alpha=0.3)
+    _label(a1, "history size (graphs)", "matching latency (ms)", log_x=True)
+    _label(a2, "history size (graphs)", "mean relative error of φ(current stage)", log_x=True)
     fig.suptitle("Fig. 7(a): impact of history size")
-    fig.tight_layout()
-    p = out / "fig7a_history_size.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "fig7a_history_size.png"))
 
     bk = res["by_stages_observed"]
     ks = [r["stages_observed"] for r in bk]
@@ -358,16 +368,9 @@ def write_report(res: dict[str, Any], out: Path, command: str) -> list[Path]:
             label="φ top-10 ensemble (mean)")
     ax.plot(ks, [r["equal_share"]["mean"] for r in bk], marker="x", color="gray", ls=":",
             label="equal shares (no history)")
-    ax.set_xlabel("stages observed (current stage index)")
-    ax.set_ylabel("relative error of current-stage φ")
-    ax.set_title("Fig. 7(b): online matching")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    p = out / "fig7b_online_matching.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    _label(ax, "stages observed (current stage index)", "relative error of current-stage φ",
+           "Fig. 7(b): online matching")
+    paths.append(_save(fig, out / "fig7b_online_matching.png"))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     labels = {"accumulated": "t≤s/t_total (ours)", "stage_over_total": "t_s/t_total",
@@ -376,21 +379,9 @@ def write_report(res: dict[str, Any], out: Path, command: str) -> list[Path]:
     for f in FORMULATIONS:
         a1.plot(ks, [r[f]["mean"] for r in bk], marker="o", color=colors[f], label=labels[f])
         a2.plot(ks, [r[f"{f}_deadline_err"]["mean"] for r in bk], marker="o", color=colors[f], label=labels[f])
-    a1.set_xlabel("stages observed")
-    a1.set_ylabel("mean relative error of the ratio")
-    a1.set_title("App. B: estimation error")
-    a1.legend(fontsize=8)
-    a1.grid(alpha=0.3)
-    a2.set_xlabel("stages observed")
-    a2.set_ylabel("mean |sub-deadline - ideal| / D")
-    a2.set_title("sub-deadline error (proportional pacing)")
-    a2.legend(fontsize=8)
-    a2.grid(alpha=0.3)
-    fig.tight_layout()
-    p = out / "appB_formulations.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    _label(a1, "stages observed", "mean relative error of the ratio", "App. B: estimation error")
+    _label(a2, "stages observed", "mean |sub-deadline - ideal| / D", "sub-deadline error (proportional pacing)")
+    paths.append(_save(fig, out / "appB_formulations.png"))
 
     lines = [
         "# Pattern matching and sub-deadline evaluation", "", f"Command: `{command}`", "",
