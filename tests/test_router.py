@@ -192,3 +192,60 @@ def test_the_workload_capacity_run_counts_the_replicas_own_output_tokens(replica
     assert 0 < started < sum(j.total_tokens[1] for j in jobs)  # it stopped starting jobs, with most of the 400 never started
     assert started in set(accumulate(j.total_tokens[1] for j in jobs))  # the first k jobs, all finished, for some k
     assert rate > 0
+
+
+def _ask(url: str, prompt: str, tokens: int, slo: dict | None = None) -> tuple[int, dict, float]:
+    """One chat call: ``(status, body, seconds it took)``."""
+    t0 = time.time()
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+        "ignore_eos": True, **({"slo": slo} if slo else {})})
+    return r.status_code, r.json(), time.time() - t0
+
+
+def _long_prompt(i: int) -> str:
+    """About 2 500 tokens, different from its first word on for each ``i`` (no prefix-cache hit)."""
+    return " ".join(f"item{i} {w} {k} of the ledger" for k, w in enumerate(["alpha", "beta", "gamma"] * 55))
+
+
+def test_admission_is_judged_by_the_replica_that_knows_whether_a_call_started(replicas):
+    """The replica's plug-in enforces each call's waiting time (admission control, JITServe §5), since the
+    front end sees only tokens: a call the replica scheduled at once but whose prefill is longer than its
+    waiting time is served (a rule of "no token by the waiting time" refused it), and calls queued behind
+    the replica's B busy slots are refused by the replica itself, each a 429 in OpenAI's error shape."""
+    with _router(replicas, "goodput", replicas["dir"] / "admission.log", members=("slow",)) as (url, _):
+        status, body, ttft = _ask(url, _long_prompt(0), 1)  # one token: the time is the prefill's
+        assert status == 200 and body["usage"]["prompt_tokens"] > 1500, body
+        wait = ttft / 3
+        if wait < 0.15:
+            pytest.skip(f"a {body['usage']['prompt_tokens']}-token prefill takes {ttft:.2f} s here: too short to "
+                        "tell a started call from a queued one")
+        status, body, _ = _ask(url, _long_prompt(1), 1, {"kind": "best_effort", "waiting_time": wait})
+        assert status == 200, body
+        before = _stats(url)
+        assert before["refused_by_replica"] == before["refused_at_front"] == 0
+
+        # B = 2 slots held by two long chat calls; twelve best-effort calls queue behind them, and the replica
+        # refuses those it has not started at 1 s. How many the policy starts meanwhile is its choice (GMAX
+        # started five of eight in one run, pausing and preempting); it cannot start twelve.
+        chat_slo = {"kind": "latency", "ttft": 30.0, "tbt": 1.0, "waiting_time": 30.0}
+        with ThreadPoolExecutor(14) as pool:
+            blockers = [pool.submit(_ask, url, f"block {i}", 400, chat_slo) for i in range(2)]
+            t0 = time.time()
+            while _stats(url)["replicas"][0]["streamed_tokens"] - before["replicas"][0]["streamed_tokens"] < 8:
+                assert time.time() - t0 < 120, "the blocking calls never streamed"
+                time.sleep(0.05)
+            queued = [f.result(timeout=300) for f in [
+                pool.submit(_ask, url, f"queued {i}", 400, {"kind": "best_effort", "waiting_time": 1.0})
+                for i in range(12)]]
+            done = [f.result(timeout=300) for f in blockers]
+        after = _stats(url)
+    assert [s for s, _, _ in done] == [200, 200] and all(b["usage"]["completion_tokens"] == 400 for _, b, _ in done)
+    refused = [(body, took) for status, body, took in queued if status == 429]
+    assert refused, [(s, took) for s, _, took in queued]
+    for body, took in refused:
+        assert body["error"]["code"] == "admission_rejected" and body["error"]["param"] == "slo.waiting_time"
+        assert 1.0 <= took < 3.0  # refused at its waiting time
+    assert all(b["usage"]["completion_tokens"] == 400 for s, b, _ in queued if s == 200)
+    assert after["refused_by_replica"] - before["refused_by_replica"] == len(refused)  # each by the replica
+    assert after["refused_at_front"] == 0

@@ -29,6 +29,15 @@ def test_round_trip_through_extra_args_keeps_every_field():
     assert back.kind is Kind.COMPOUND and back.sub_deadline == -2.5
 
 
+def test_engine_admission_travels_only_when_asked_for():
+    # a front end that cannot ask the engine whether a call started sets it; other readers never see the field
+    plain = SchedHints(kind="best_effort", waiting_time=5.0)
+    assert "engine_admission" not in plain.to_dict()
+    asked = plain.replace(engine_admission=True)
+    assert asked.to_dict()["engine_admission"] is True
+    assert SchedHints.from_extra_args(asked.to_extra_args()) == asked
+
+
 def test_kind_given_as_string_is_coerced():
     assert SchedHints(kind="deadline", deadline=3).kind is Kind.DEADLINE
 
@@ -41,7 +50,7 @@ def test_absent_key_means_no_hints():
 @pytest.mark.parametrize("field, value", [
     ("deadline", -1.0), ("deadline", math.inf), ("ttft", 0.0), ("waiting_time", "soon"),
     ("len_bound", 0), ("len_bound", 2**40), ("len_bound", 1.5), ("stage_index", -1), ("task_rem_gen_time", math.nan),
-    ("arrival", True), ("task_id", ""),
+    ("arrival", True), ("task_id", ""), ("engine_admission", 1), ("engine_admission", "yes"),
 ])
 def test_invalid_field_is_named(field, value):
     kw = {"kind": "best_effort", field: value}

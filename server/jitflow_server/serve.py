@@ -185,6 +185,10 @@ def register(app: typer.Typer) -> None:
         handover: float = typer.Option(2.0, min=0.0, help="With replicas: a call without a token this many "
                                        "seconds after reaching its replica moves once to a replica with at least "
                                        "1 s less work in flight (0 = never)."),
+        engine_admission: bool = typer.Option(True, help="With replicas: each replica's jitflow plug-in refuses a "
+                                              "call it has not scheduled within the call's waiting time; "
+                                              "--no-engine-admission for replicas without the plug-in (the front "
+                                              "end then refuses a call with no token by its waiting time)."),
         compound_waiting: str = typer.Option(
             "waiting-time", envvar="JITFLOW_COMPOUND_WAITING",
             help="waiting-time: every call is held to its waiting time; sub-deadline: an agent task's call may "
@@ -266,7 +270,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"jitflow: routing ({router}) over {len(urls)} replicas of {name}: {', '.join(urls)}; "
                        f"listening on http://{host}:{port}", err=True)
             served_engine = RemoteEngine(RouterConfig(replicas=urls, model=path, served_name=name,
-                                                      router=router, api_key=replica_key, handover_s=handover))
+                                                      router=router, api_key=replica_key, handover_s=handover,
+                                                      engine_admission=engine_admission))
         else:
             cfg = EngineConfig(model=path, served_name=name, policy=policy, policy_params=params,
                                batch_size=batch_size, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,

@@ -284,7 +284,8 @@ def register(bench_app: typer.Typer) -> None:
                     m["load_generator_cpu_s"] = time.process_time() - load0
                     m["routed"] = [r["routed"] - r0["routed"] for r, r0 in zip(st["replicas"], st0["replicas"])]
                     m["rerouted"], m["wall_s"] = st["rerouted"] - st0["rerouted"], time.time() - t0
-                    m["handed_over"] = st.get("handed_over", 0) - st0.get("handed_over", 0)
+                    for k in ("handed_over", "refused_by_replica", "refused_at_front"):
+                        m[k] = st.get(k, 0) - st0.get(k, 0)  # admission refusals: by whom (docs/deployment.md)
                     m["decision_us"] = st.get("decision_us")  # the router's decision time (the last 2 000)
                     m["decision_cpu_us"] = st.get("decision_cpu_us")  # the same decisions' CPU time
                     runs[name].append(m)

@@ -40,13 +40,13 @@ from collections import deque
 from typing import Any
 
 import vllm
-from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
-from jitflow_server.engine.plugin_state import RequestMeta, plan_dump
+from jitflow_server.engine.plugin_admission import EngineAdmission
+from jitflow_server.engine.plugin_state import RequestMeta, plan_dump, plugin_stats
 from jitflow_server.engine.protocol import EngineCall
 from jitflow_server.engine.vllm_compat import TESTED_VLLM, missing_vllm_internals, plugin_settings
 from jitflow_server.scheduler import RequestView, SchedContext, make_policy
@@ -106,6 +106,8 @@ class JitflowScheduler(Scheduler):
         #: those the prefix cache still held (the rest was recomputed)
         self.resumed = {"requests": 0, "tokens": 0, "cached_tokens": 0}
         self.n_rejected = self.n_policy_refusals = 0
+        #: admission control for requests whose hints ask the engine to enforce it (a router front end)
+        self.admission = EngineAdmission()
         self.n_bad_hints = 0
         self.n_illegal_transitions = 0
         self._dirty = True
@@ -149,6 +151,8 @@ class JitflowScheduler(Scheduler):
         m = RequestMeta(request, hints, time.monotonic(), time.time())
         self.meta[request.request_id] = m
         self.by_front_id[m.front_id] = request.request_id
+        if hints is not None and hints.engine_admission and m.waiting_time is not None:
+            self.admission.watch(request.request_id, m.arrival + m.waiting_time)
         self._event("add", request.request_id, f"{m.kind.value} max_tokens={request.max_tokens}")
         self._dirty = True
 
@@ -236,7 +240,7 @@ class JitflowScheduler(Scheduler):
                 self._forget(rid)
                 self._dirty = True
         self._busy_after_update = bool(self.running or self.waiting)
-        return out
+        return self.admission.report(out)
 
     # -------------------------------------------------------------- schedule
     def _views(self, reqs: list[Request]) -> list[RequestView]:
@@ -284,6 +288,10 @@ class JitflowScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False):  # type: ignore[override]
         now = time.monotonic()
+        for rid in self.admission.due(now):  # engine admission: removed before the policy sees them
+            r = self.requests.get(rid)
+            if r is not None and self._reject(rid, "engine admission"):
+                self.admission.refused(r)
         for r in self.running:  # admitted by the base scheduler in an earlier step
             m = self.meta.get(r.request_id)
             if m is not None and m.life.state is not RequestState.RUNNING:
@@ -445,41 +453,22 @@ class JitflowScheduler(Scheduler):
         self._dirty = True
 
     def _reject_waiting(self, ids: list[str]) -> list[str]:
-        rejected = []
-        for fid in ids:
-            rid = self.by_front_id.get(fid)
-            m = self.meta.get(rid) if rid else None
-            r = self.requests.get(rid) if rid else None
-            if r is None or m is None or m.life.ever_scheduled or r.status == RequestStatus.RUNNING:
-                continue
-            self._event("reject", rid, "admission")
-            self._move(rid, RequestState.REJECTED)
-            self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-            self.n_rejected += 1
-            rejected.append(fid)
-        return rejected
+        return [fid for fid in ids if (rid := self.by_front_id.get(fid)) and self._reject(rid, "admission")]
+
+    def _reject(self, rid: str, why: str) -> bool:
+        """Remove engine request ``rid`` if it was never scheduled (admission control); True if removed."""
+        m = self.meta.get(rid)
+        r = self.requests.get(rid)
+        if r is None or m is None or m.life.ever_scheduled or r.status == RequestStatus.RUNNING:
+            return False
+        self._event("reject", rid, why)
+        self._move(rid, RequestState.REJECTED)
+        self.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        self.n_rejected += 1
+        return True
 
     def _stats(self) -> dict:
-        import statistics
-
-        fm = sorted(self.frame_ms)
-
-        def pct(q: float) -> float | None:
-            return fm[min(len(fm) - 1, int(q * len(fm)))] if fm else None
-
-        return {
-            "policy": self.policy_name, "params": self.policy_params, "batch_size": self.batch_size,
-            "running": len(self.running), "waiting": len(self.waiting),
-            "paused": self.pause_state != PauseState.UNPAUSED,
-            "unfinished": self.get_num_unfinished_requests(), "steps": self.step_no, "frames": self.frame_no,
-            "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
-            "block_size": int(self.block_size), "kv_capacity_tokens": self._kv_capacity_tokens(),
-            "preempted": sum(self.preempted_by_reason.values()), "preempted_by_reason": dict(self.preempted_by_reason),
-            "resumed": dict(self.resumed), "service": svc.to_dict() if (svc := self.tracker.service_rate(self.batch_size)) else None,
-            "rejected": self.n_rejected, "policy_refusals": self.n_policy_refusals, "bad_hints": self.n_bad_hints,
-            "illegal_transitions": self.n_illegal_transitions, "paced_steps": self.pacer.paced_steps,
-            "deferred_prefills": self.pacer.deferred_prefills, "tracker": self.tracker.summary(),
-        }
+        return plugin_stats(self)
 
 
 def _engine_core_control(self: EngineCore, call: str, payload: dict | None = None) -> Any:

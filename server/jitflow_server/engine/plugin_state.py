@@ -1,12 +1,16 @@
-"""What the vLLM scheduler plug-in keeps per request, and the dump of its last frame (diagnostics).
+"""What the vLLM scheduler plug-in keeps per request, its counters, and the dump of its last frame
+(diagnostics).
 
 Kept apart from ``engine/plugin.py`` so that module stays about enforcing the policy's batch.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Any
 
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.request import Request
 
 from jitflow_server.scheduler.hints import SchedHints
@@ -59,3 +63,30 @@ def plan_dump(last_plan: tuple[float, list[RequestView], Decision] | None) -> di
                           "len_bound": v.len_bound, "input_len": v.input_len, "arrival": unix(v.arrival),
                           "admit_by": unix(v.admit_by), "deadline": unix(v.deadline),
                           "sub_deadline": unix(v.sub_deadline), "task": v.task_id} for v in views]}
+
+
+def plugin_stats(s: Any) -> dict:
+    """The plug-in's counters and settings (``EngineCall.STATS``, JSON-ready) for scheduler ``s`` (a
+    ``JitflowScheduler``): policy, batch size B, queues, frames and their time (ms), KV cache size (tokens),
+    preemptions, resumed requests, the measured service rate, refusals (``rejected``: admission control,
+    of which ``engine_admission_refused`` by the engine's own rule), and the step-time tracker."""
+    fm = sorted(s.frame_ms)
+
+    def pct(q: float) -> float | None:
+        return fm[min(len(fm) - 1, int(q * len(fm)))] if fm else None
+
+    svc = s.tracker.service_rate(s.batch_size)
+    return {
+        "policy": s.policy_name, "params": s.policy_params, "batch_size": s.batch_size,
+        "running": len(s.running), "waiting": len(s.waiting),
+        "paused": s.pause_state != PauseState.UNPAUSED,
+        "unfinished": s.get_num_unfinished_requests(), "steps": s.step_no, "frames": s.frame_no,
+        "frame_ms_p50": statistics.median(fm) if fm else None, "frame_ms_p99": pct(0.99),
+        "block_size": int(s.block_size), "kv_capacity_tokens": s._kv_capacity_tokens(),
+        "preempted": sum(s.preempted_by_reason.values()), "preempted_by_reason": dict(s.preempted_by_reason),
+        "resumed": dict(s.resumed), "service": svc.to_dict() if svc else None,
+        "rejected": s.n_rejected, "engine_admission_refused": s.admission.n_refused,
+        "policy_refusals": s.n_policy_refusals, "bad_hints": s.n_bad_hints,
+        "illegal_transitions": s.n_illegal_transitions, "paced_steps": s.pacer.paced_steps,
+        "deferred_prefills": s.pacer.deferred_prefills, "tracker": s.tracker.summary(),
+    }

@@ -24,11 +24,20 @@ output so far was already sent and cannot be taken back); with no replica up a r
 again. A call still without a token ``handover_s`` seconds after reaching its replica moves, once, to
 the replica with the least work in flight if that one has clearly less (``RouterConfig``). Not
 forwarded: refined length bounds, policy switches, the plug-ins' diagnostics.
+
+Admission control (JITServe §5): each call's hints ask its replica to enforce the call's waiting time
+(``SchedHints.engine_admission``, ``engine/plugin_admission.py``), because from here a call the replica
+has scheduled and is prefilling looks the same as one still queued (no token). A stream that ends with
+no token at or after the waiting time is the replica's refusal; the API's admission check
+(:meth:`RemoteEngine.reject_waiting`) waits for that verdict (a first token or the refusal) and answers
+429 on a refusal. Replicas without the plug-in cannot judge: with ``engine_admission=False`` the front
+end refuses a call that has no token by its waiting time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -53,7 +62,15 @@ from jitflow_server.engine.protocol import (
     UpstreamError,
 )
 from jitflow_server.engine.replica_probe import ReplicaProbe
-from jitflow_server.engine.router_state import Flight, RouterConfig, RouterCounts, slo_deadline
+from jitflow_server.engine.router_state import (
+    REFUSAL_HOLD_S,
+    Flight,
+    RouterConfig,
+    RouterCounts,
+    refused_by_replica,
+    replica_hints,
+    slo_deadline,
+)
 from jitflow_server.scheduler.hints import HintUpdate
 from jitflow_server.scheduler.routing import Backlog, ReplicaSpeed, RouteRequest, make_router
 from jitflow_server.scheduler.types import Kind
@@ -227,7 +244,7 @@ class RemoteEngine(HFTokenizerMixin):
             "model": self.served_name, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "stream": True, "return_token_ids": True,
             "ignore_eos": req.ignore_eos, "min_tokens": min(req.min_tokens, req.max_tokens),
-            "request_id": req.request_id, "vllm_xargs": req.hints.to_extra_args(),
+            "request_id": req.request_id, "vllm_xargs": replica_hints(req.hints, self.config).to_extra_args(),
         }
         if req.stop:
             body["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
@@ -241,7 +258,7 @@ class RemoteEngine(HFTokenizerMixin):
         now = time.time()
         est = float(min(h.len_bound or req.max_tokens, req.max_tokens))
         f = Flight(req.request_id, len(req.prompt_token_ids), est, h.kind is Kind.LATENCY,
-                    slo_deadline(h, est, now))
+                    slo_deadline(h, est, now), start=now)
         self._flights[f.rid] = f
         try:
             while True:
@@ -254,8 +271,14 @@ class RemoteEngine(HFTokenizerMixin):
                         yield delta
                         if delta.finished:
                             return
+                if f.refused:  # held until the API's admission check claims it (reject_waiting)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(f.released.wait(), REFUSAL_HOLD_S)
+                    yield TokenDelta([], "", True, "abort")
+                    return
                 # the attempt ended before the first token: route the request again
         finally:
+            f.settled.set()  # ended: whoever waits for its admission verdict reads the stream's end
             self._flights.pop(f.rid, None)
 
     async def _wait_for_replica(self, req: GenerateRequest, f: Flight) -> int:
@@ -318,6 +341,8 @@ class RemoteEngine(HFTokenizerMixin):
                 if kind == "delta":  # (a timeout on a down replica falls through to "fail" below)
                     replica.note_progress(len(payload.token_ids))
                     f.generated += len(payload.token_ids)
+                    if f.generated:
+                        f.settled.set()
                     yield payload
                     if payload.finished:
                         return
@@ -335,6 +360,11 @@ class RemoteEngine(HFTokenizerMixin):
                     raise UpstreamError(f"replica {replica.url} refused the request (HTTP {code}): {text[:500]}",
                                         status=400 if 400 <= code < 500 else 502)
                 else:  # "fail": the connection broke, or "end": the stream ended without finishing
+                    if kind == "end" and f.generated == 0 and refused_by_replica(req.hints, f, self.config):
+                        f.refused = True
+                        self.counts.refused_by_replica += 1
+                        f.settled.set()
+                        return
                     if kind == "fail" and isinstance(payload, httpx.TransportError):
                         replica.mark_down(f"{type(payload).__name__}: {payload}")
                     if f.generated == 0:
@@ -384,19 +414,30 @@ class RemoteEngine(HFTokenizerMixin):
         f = self._flights.get(request_id)
         if f is not None and not f.aborted:
             f.aborted = True
+            f.released.set()
+            f.settled.set()
             if f.queue is not None:
                 f.queue.put_nowait(("abort", None))
 
     async def reject_waiting(self, request_ids: Sequence[str]) -> list[str]:
-        """Admission control (JITServe §5) at the front end: the requests that have produced no token
-        yet are stopped and returned."""
-        out = []
-        for rid in request_ids:
-            f = self._flights.get(rid)
-            if f is not None and f.generated == 0 and not f.aborted:
-                await self.abort(rid)
-                out.append(rid)
-        return out
+        """Admission control (JITServe §5) at the front end, called at the calls' admission deadline:
+        returns, and stops, those their replica refused (it never scheduled them), waiting for each
+        replica's verdict; with ``engine_admission=False``, those with no token (module docstring)."""
+        verdicts = await asyncio.gather(*(self._admission_verdict(rid) for rid in request_ids))
+        return [rid for rid, refused in zip(request_ids, verdicts) if refused]
+
+    async def _admission_verdict(self, rid: str) -> bool:
+        f = self._flights.get(rid)
+        if f is None or f.aborted or f.generated > 0:
+            return False
+        if self.config.engine_admission:
+            await f.settled.wait()  # a first token, the replica's refusal, or an abort
+            if not f.refused or f.aborted:
+                return False
+        else:
+            self.counts.refused_at_front += 1
+        await self.abort(rid)
+        return True
 
     async def update_hints(self, update: HintUpdate) -> None:  # dropped (counted): replicas keep arrival hints
         self.counts.hint_updates_dropped += 1

@@ -83,6 +83,11 @@ class SchedHints:
             (negative when the stage is already late).
         waiting_time: admission control (JITServe §5): a request never scheduled by
             ``arrival + waiting_time`` is rejected.
+        engine_admission: the engine enforces ``waiting_time`` itself: at ``arrival + waiting_time`` it
+            removes the request if it never scheduled it and ends it with no output (finish reason
+            ``abort``). Set by a front end that cannot ask the engine whether a request started (the
+            router over remote replicas, ``engine/remote.py``); otherwise the front end asks
+            (``EngineCall.REJECT_WAITING``). Sent only when true.
         task_id, stage_index: the compound task and stage; calls with the same pair share a priority.
         len_bound: upper bound on the total output length (tokens, ≥ 1; JITServe §4.1).
         task_tokens_est: estimated input + output tokens of the whole task (tokens).
@@ -106,6 +111,7 @@ class SchedHints:
     len_bound: int | None = None
     task_tokens_est: int | None = None
     task_rem_gen_time: float = 0.0
+    engine_admission: bool = False
     version: int = HINTS_VERSION
 
     def __post_init__(self) -> None:
@@ -130,6 +136,9 @@ class SchedHints:
         object.__setattr__(self, "stage_index", _tokens("stage_index", self.stage_index, minimum=0))
         object.__setattr__(self, "len_bound", _tokens("len_bound", self.len_bound, minimum=1))
         object.__setattr__(self, "task_tokens_est", _tokens("task_tokens_est", self.task_tokens_est, minimum=0))
+        if not isinstance(self.engine_admission, bool):
+            raise HintsError(f"engine_admission must be true or false, got {self.engine_admission!r}",
+                             "engine_admission")
         if kind is Kind.LATENCY and (self.ttft is None or self.tbt is None):
             raise HintsError("a latency request needs ttft and tbt", "ttft" if self.ttft is None else "tbt")
         if kind is Kind.DEADLINE and self.deadline is None:
@@ -142,9 +151,12 @@ class SchedHints:
 
     # ------------------------------------------------------------------------------------- wire
     def to_dict(self) -> dict[str, Any]:
-        """The hints as a JSON-ready dict (``None`` fields left out; ``kind`` as its string value)."""
+        """The hints as a JSON-ready dict (``None`` fields and a false ``engine_admission`` left out;
+        ``kind`` as its string value)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["kind"] = self.kind.value
+        if not self.engine_admission:
+            del d["engine_admission"]
         return {k: v for k, v in d.items() if v is not None}
 
     def to_json(self) -> str:
