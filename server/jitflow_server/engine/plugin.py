@@ -28,7 +28,9 @@ Control calls from the jitflow server (:class:`~jitflow_server.engine.protocol.E
 refined hints, reject requests not admitted within their ``waiting_time`` (JITServe §5 admission
 control), switch policy, read stats) arrive through one engine-core utility method,
 :data:`CONTROL_METHOD`, installed on ``EngineCore`` when this module is imported in the engine
-process (vLLM resolves ``scheduler_cls`` there), and run between engine steps.
+process (vLLM resolves ``scheduler_cls`` there), and run between engine steps. A stand-alone OpenAI
+server has no such channel: for requests whose hints set ``engine_admission`` (a router front end) the
+plug-in enforces the waiting time itself at the start of each step (``engine/plugin_admission.py``).
 """
 
 from __future__ import annotations
