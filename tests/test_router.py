@@ -209,11 +209,13 @@ def _long_prompt(i: int) -> str:
 
 
 def test_admission_is_judged_by_the_replica_that_knows_whether_a_call_started(replicas):
-    """The replica's plug-in enforces each call's waiting time (admission control, JITServe §5), since the
-    front end sees only tokens: a call the replica scheduled at once but whose prefill is longer than its
-    waiting time is served (a rule of "no token by the waiting time" refused it), and calls queued behind
-    the replica's B busy slots are refused by the replica itself, each a 429 in OpenAI's error shape."""
-    with _router(replicas, "goodput", replicas["dir"] / "admission.log", members=("slow",)) as (url, _):
+    """With ``--engine-admission`` the replica's plug-in enforces each call's waiting time (admission
+    control, JITServe §5), since the front end sees only tokens: a call the replica scheduled at once but
+    whose prefill is longer than its waiting time is served (the default rule, no token by the waiting
+    time, refuses it: checked last), and calls queued behind the replica's B busy slots are refused by the replica
+    itself, each a 429 in OpenAI's error shape."""
+    with _router(replicas, "goodput", replicas["dir"] / "admission.log", "--engine-admission",
+                 members=("slow",)) as (url, _):
         status, body, ttft = _ask(url, _long_prompt(0), 1)  # one token: the time is the prefill's
         assert status == 200 and body["usage"]["prompt_tokens"] > 1500, body
         wait = ttft / 3
@@ -249,3 +251,10 @@ def test_admission_is_judged_by_the_replica_that_knows_whether_a_call_started(re
     assert all(b["usage"]["completion_tokens"] == 400 for s, b, _ in queued if s == 200)
     assert after["refused_by_replica"] - before["refused_by_replica"] == len(refused)  # each by the replica
     assert after["refused_at_front"] == 0
+
+    # the default rule, judged at the front end by tokens, refuses the started call with no token yet
+    with _router(replicas, "goodput", replicas["dir"] / "admission-front.log", members=("slow",)) as (url, _):
+        status, body, _ = _ask(url, _long_prompt(2), 1, {"kind": "best_effort", "waiting_time": wait})
+        stats = _stats(url)
+    assert status == 429 and body["error"]["code"] == "admission_rejected", body
+    assert stats["refused_at_front"] == 1 and stats["refused_by_replica"] == 0

@@ -185,10 +185,10 @@ def register(app: typer.Typer) -> None:
         handover: float = typer.Option(2.0, min=0.0, help="With replicas: a call without a token this many "
                                        "seconds after reaching its replica moves once to a replica with at least "
                                        "1 s less work in flight (0 = never)."),
-        engine_admission: bool = typer.Option(True, help="With replicas: each replica's jitflow plug-in refuses a "
-                                              "call it has not scheduled within the call's waiting time; "
-                                              "--no-engine-admission for replicas without the plug-in (the front "
-                                              "end then refuses a call with no token by its waiting time)."),
+        engine_admission: bool = typer.Option(False, help="With replicas: each replica's jitflow plug-in refuses a "
+                                              "call it has not scheduled within the call's waiting time "
+                                              "(JITServe's rule), in place of the front end refusing a call with "
+                                              "no token by then (docs/deployment.md)."),
         compound_waiting: str = typer.Option(
             "waiting-time", envvar="JITFLOW_COMPOUND_WAITING",
             help="waiting-time: every call is held to its waiting time; sub-deadline: an agent task's call may "

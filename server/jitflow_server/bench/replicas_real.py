@@ -193,6 +193,8 @@ def register(bench_app: typer.Typer) -> None:
         duration: float = typer.Option(60.0, "--duration", min=1.0, help="Arrival window (s)."),
         seeds: int = typer.Option(3, "--seeds", min=1),
         router: str = typer.Option("goodput", "--router", help="Router of the pool's front end."),
+        engine_admission: bool = typer.Option(False, "--engine-admission", help="Both front ends let the "
+                                              "replicas judge admission (`jitflow serve --engine-admission`)."),
         length_scale: float = typer.Option(0.0625, "--length-scale", min=0.001),
         tightness: float = typer.Option(2.0, "--tightness", min=0.01, help="SLO scale (as `bench engine`)."),
         waiting_time: float = typer.Option(DEFAULT_WAITING_TIME_S, "--waiting-time", min=0.0, help="Admission waiting_time s."),
@@ -244,6 +246,8 @@ def register(bench_app: typer.Typer) -> None:
                 sub.mkdir(parents=True, exist_ok=True)
                 args, env = server_setup(sub, ds, pm, batch_size, length_scale)
                 urls = [a for r in members for a in ("--replica", r.base_url)]
+                if engine_admission:
+                    urls.append("--engine-admission")
                 fronts[name] = BenchServer(model, "gmax", batch_size, None, [*args, *urls, "--router", router],
                                            log_path=sub / "front.log", env=env).__enter__()
             if load is not None:
@@ -305,7 +309,8 @@ def register(bench_app: typer.Typer) -> None:
                  for k in ("token_goodput", "request_goodput", "throughput")}
         res = {"config": {"model": model, "cores": core_list, "batch_size": batch_size, "rps": rps, "load": load,
                           "load_basis": load_basis if load is not None else None,
-                          "duration": duration, "seeds": seeds, "router": router, "length_scale": length_scale,
+                          "duration": duration, "seeds": seeds, "router": router, "engine_admission": engine_admission,
+                          "length_scale": length_scale,
                           "tightness": tightness, "waiting_time": waiting_time, "data": ds.origin,
                           "command": " ".join(["jitflow", "bench", "replicas-real", *sys.argv[3:]])},
                "engines": engines, "one": runs["one"], "pool": runs["pool"], "pool_over_one": _summary(ratio)}
@@ -330,7 +335,9 @@ def _markdown(res: dict) -> str:
              + (f" ({c['load']:g}× one replica's output tok/s, {c.get('load_basis') or 'decode'} basis)"
                 if c.get("load") else "")
              + f" for {c['duration']:g} s, router "
-             f"{c['router']}, seeds 0–{c['seeds'] - 1}.", "",
+             f"{c['router']}, admission judged by the "
+             f"{'replicas' if c.get('engine_admission') else 'front end (no token by the waiting time)'}, "
+             f"seeds 0–{c['seeds'] - 1}.", "",
              f"Engines alone (output tok/s, B requests × 256 tokens, no front end): "
              f"{[round(x) for x in res['engines'].get('alone_tok_s', [])]}; side by side: "
              f"{[round(x) for x in res['engines'].get('together_tok_s', [])]}."

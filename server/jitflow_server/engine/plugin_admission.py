@@ -3,9 +3,10 @@
 The embedded engine's front end asks the plug-in, at a request's admission deadline, whether it ever
 scheduled the request (``EngineCall.REJECT_WAITING``). A router front end over remote replicas cannot:
 it sees a replica only through the OpenAI API, where "no token yet" is all it knows, and a call that the
-replica has scheduled and is prefilling also has no token. So the router sets
-:attr:`~jitflow_server.scheduler.hints.SchedHints.engine_admission`, and the replica's plug-in enforces
-the waiting time itself: at ``arrival + waiting_time`` (the engine's monotonic clock, hints mapped as in
+replica has scheduled and is prefilling also has no token. With ``jitflow serve --engine-admission`` the
+router sets :attr:`~jitflow_server.scheduler.hints.SchedHints.engine_admission`, and the replica's
+plug-in enforces the waiting time itself (not the default: docs/deployment.md has the measured
+reason). At ``arrival + waiting_time`` (the engine's monotonic clock, hints mapped as in
 ``engine/plugin_state.py``) a request it never scheduled is removed, and the client is told with an
 output that carries no token and the finish reason ``abort`` (vLLM's OpenAI server then ends the stream
 with no token; ``engine/remote.py`` reads that as the replica's refusal).

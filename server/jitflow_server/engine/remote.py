@@ -25,13 +25,12 @@ again. A call still without a token ``handover_s`` seconds after reaching its re
 the replica with the least work in flight if that one has clearly less (``RouterConfig``). Not
 forwarded: refined length bounds, policy switches, the plug-ins' diagnostics.
 
-Admission control (JITServe §5): each call's hints ask its replica to enforce the call's waiting time
-(``SchedHints.engine_admission``, ``engine/plugin_admission.py``), because from here a call the replica
-has scheduled and is prefilling looks the same as one still queued (no token). A stream that ends with
-no token at or after the waiting time is the replica's refusal; the API's admission check
-(:meth:`RemoteEngine.reject_waiting`) waits for that verdict (a first token or the refusal) and answers
-429 on a refusal. Replicas without the plug-in cannot judge: with ``engine_admission=False`` the front
-end refuses a call that has no token by its waiting time.
+Admission control (JITServe §5): by default a call with no token by its waiting time is stopped on its
+replica and answered 429 (:meth:`RemoteEngine.reject_waiting`); from here a call the replica has
+scheduled and is prefilling looks the same as one still queued. With ``engine_admission`` each call's
+hints ask its replica to judge instead (``SchedHints.engine_admission``, ``engine/plugin_admission.py``):
+a stream that ends with no token at or after the waiting time is the replica's refusal, and the API's
+admission check waits for that verdict (a first token or the refusal) and answers 429 on a refusal.
 """
 
 from __future__ import annotations
@@ -421,8 +420,8 @@ class RemoteEngine(HFTokenizerMixin):
 
     async def reject_waiting(self, request_ids: Sequence[str]) -> list[str]:
         """Admission control (JITServe §5) at the front end, called at the calls' admission deadline:
-        returns, and stops, those their replica refused (it never scheduled them), waiting for each
-        replica's verdict; with ``engine_admission=False``, those with no token (module docstring)."""
+        returns, and stops, those with no token; with ``engine_admission``, those their replica refused (it
+        never scheduled them), waiting for each replica's verdict (module docstring)."""
         verdicts = await asyncio.gather(*(self._admission_verdict(rid) for rid in request_ids))
         return [rid for rid, refused in zip(request_ids, verdicts) if refused]
 

@@ -86,8 +86,8 @@ class SchedHints:
         engine_admission: the engine enforces ``waiting_time`` itself: at ``arrival + waiting_time`` it
             removes the request if it never scheduled it and ends it with no output (finish reason
             ``abort``). Set by a front end that cannot ask the engine whether a request started (the
-            router over remote replicas, ``engine/remote.py``); otherwise the front end asks
-            (``EngineCall.REJECT_WAITING``). Sent only when true.
+            router over remote replicas with ``engine_admission`` on, ``engine/remote.py``); the embedded
+            engine's front end asks instead (``EngineCall.REJECT_WAITING``). Sent only when true.
         task_id, stage_index: the compound task and stage; calls with the same pair share a priority.
         len_bound: upper bound on the total output length (tokens, ≥ 1; JITServe §4.1).
         task_tokens_est: estimated input + output tokens of the whole task (tokens).
