@@ -61,11 +61,18 @@ def _stats(url: str) -> dict:
     return httpx.get(url + "/v1/jitflow/engine", timeout=30).json()
 
 
-def _chat(url: str, i: int, tokens: int) -> tuple[int, dict]:
+def _ask(url: str, prompt: str, tokens: int, slo: dict | None = None) -> tuple[int, dict, float]:
+    """One chat call: ``(status, body, seconds it took)``."""
+    t0 = time.time()
     r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": "tiny", "messages": [{"role": "user", "content": f"story number {i}"}], "max_tokens": tokens,
-        "ignore_eos": True})
-    return r.status_code, r.json()
+        "model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+        "ignore_eos": True, **({"slo": slo} if slo else {})})
+    return r.status_code, r.json(), time.time() - t0
+
+
+def _chat(url: str, i: int, tokens: int) -> tuple[int, dict]:
+    status, body, _ = _ask(url, f"story number {i}", tokens)
+    return status, body
 
 
 def _burst(url: str, n: int, tokens: int) -> list[tuple[int, dict]]:
@@ -192,15 +199,6 @@ def test_the_workload_capacity_run_counts_the_replicas_own_output_tokens(replica
     assert 0 < started < sum(j.total_tokens[1] for j in jobs)  # it stopped starting jobs, with most of the 400 never started
     assert started in set(accumulate(j.total_tokens[1] for j in jobs))  # the first k jobs, all finished, for some k
     assert rate > 0
-
-
-def _ask(url: str, prompt: str, tokens: int, slo: dict | None = None) -> tuple[int, dict, float]:
-    """One chat call: ``(status, body, seconds it took)``."""
-    t0 = time.time()
-    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-        "ignore_eos": True, **({"slo": slo} if slo else {})})
-    return r.status_code, r.json(), time.time() - t0
 
 
 def _long_prompt(i: int) -> str:

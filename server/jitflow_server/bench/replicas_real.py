@@ -246,9 +246,8 @@ def register(bench_app: typer.Typer) -> None:
                 sub.mkdir(parents=True, exist_ok=True)
                 args, env = server_setup(sub, ds, pm, batch_size, length_scale)
                 urls = [a for r in members for a in ("--replica", r.base_url)]
-                if engine_admission:
-                    urls.append("--engine-admission")
-                fronts[name] = BenchServer(model, "gmax", batch_size, None, [*args, *urls, "--router", router],
+                routing = ["--router", router, *(["--engine-admission"] if engine_admission else [])]
+                fronts[name] = BenchServer(model, "gmax", batch_size, None, [*args, *urls, *routing],
                                            log_path=sub / "front.log", env=env).__enter__()
             if load is not None:
                 sample = make_workload(LOAD_SAMPLE_JOBS, 1.0, data=ds, seed=999, length_scale=length_scale,
